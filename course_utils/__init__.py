@@ -1,0 +1,11 @@
+"""Helpers for the course "GPU training in PyTorch".
+
+Import what you need from the submodules (`course_utils.data`, `.models`, `.memory`, `.amp`,
+`.monitor`, `.timing`, `.exercises`); the most used names are also available here.
+Importing this package starts no threads, initialises no GPU and prints nothing.
+"""
+from .device import describe_environment, get_device
+from .trainer import Callback, Trainer
+
+__all__ = ["get_device", "describe_environment", "Trainer", "Callback"]
+__version__ = "0.1.0"

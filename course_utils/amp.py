@@ -1,0 +1,353 @@
+"""Automatic mixed precision (AMP) with `torch.amp`, chosen per device.
+
+- `choose_dtype(device)`: bfloat16 on CPUs and on CUDA GPUs with native bf16 (Ampere and newer),
+  float16 on older CUDA GPUs and on Apple MPS.
+- `autocast(device, dtype="auto")`: the matching `torch.amp.autocast` context.
+- `MixedPrecision`: autocast + a `GradScaler` (only for float16) behind three calls:
+  `autocast()`, `backward(loss)`, `step(optimizer, ...)`. `train_step` strings them together.
+- `autocast_dtype_table(device)` and `underflow_fraction(grads)`: measurements for the notebook.
+
+Only the device-generic `torch.amp` API is used; the old `torch.cuda.amp` names are deprecated.
+Importing this module touches no device.
+"""
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterable
+from typing import Any, ContextManager, NamedTuple, Union
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+DeviceLike = Union[str, torch.device]
+DtypeLike = Union[str, torch.dtype]
+
+_DTYPE_NAMES: dict[str, torch.dtype] = {
+    "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+    "fp16": torch.float16, "float16": torch.float16, "half": torch.float16,
+    "fp32": torch.float32, "float32": torch.float32, "float": torch.float32,
+}
+_LOW = (torch.bfloat16, torch.float16)
+
+
+# --- choosing the dtype ------------------------------------------------------------------
+
+def _as_device(device: DeviceLike) -> torch.device:
+    if isinstance(device, torch.device):
+        return device
+    if isinstance(device, str):
+        try:
+            return torch.device(device)
+        except RuntimeError as exc:
+            raise ValueError(f"{device!r} is not a device name (try 'cpu', 'cuda' or 'mps')") from exc
+    raise TypeError(f"device must be a str or torch.device, got {type(device).__name__}")
+
+
+def choose_dtype(device: DeviceLike) -> torch.dtype:
+    """The autocast dtype the course uses on `device`.
+
+    CPU: bfloat16 (same exponent range as float32, so no loss scaling is needed).
+    CUDA: bfloat16 when the GPU does bf16 natively (compute capability 8.0+, or ROCm), else float16;
+    emulated bf16 on older GPUs is slower than fp16, so it does not count. The question is asked of
+    `device`'s index when it has one, else of the current CUDA device.
+    MPS: float16. MPS autocast gained bf16 later and only on macOS 14+; fp16 works everywhere.
+    """
+    dev = _as_device(device)
+    if dev.type == "cpu":
+        return torch.bfloat16
+    if dev.type == "cuda":
+        if dev.index is not None:
+            with torch.cuda.device(dev.index):
+                native = torch.cuda.is_bf16_supported(including_emulation=False)
+        else:
+            native = torch.cuda.is_bf16_supported(including_emulation=False)
+        return torch.bfloat16 if native else torch.float16
+    if dev.type == "mps":
+        return torch.float16
+    raise ValueError(f"no automatic mixed-precision dtype for device type {dev.type!r}; "
+                     "pass dtype=torch.bfloat16 or torch.float16 explicitly")
+
+
+def resolve_dtype(device: DeviceLike, dtype: DtypeLike = "auto") -> torch.dtype:
+    """`dtype` as a torch.dtype: "auto" asks `choose_dtype`; names like "bf16"/"fp16"/"fp32" are accepted."""
+    if isinstance(dtype, str):
+        key = dtype.lower().removeprefix("torch.")
+        if key == "auto":
+            return choose_dtype(device)
+        if key not in _DTYPE_NAMES:
+            raise ValueError(f"unknown dtype {dtype!r}; use 'auto', one of {sorted(_DTYPE_NAMES)}, "
+                             "or a torch.dtype")
+        return _DTYPE_NAMES[key]
+    if isinstance(dtype, torch.dtype):
+        if dtype not in (*_LOW, torch.float32):
+            raise ValueError(f"mixed precision runs in torch.bfloat16 or torch.float16 (or torch.float32 for "
+                             f"none), not {dtype}")
+        return dtype
+    raise TypeError(f"dtype must be 'auto', a name or a torch.dtype, got {type(dtype).__name__}")
+
+
+def _check_usable(dev: torch.device) -> None:
+    """Fail early with a clear message instead of torch's 'Disabling autocast' warning later."""
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {dev} asked for, but CUDA is not available here; "
+                         "use course_utils.device.get_device() to pick an available device")
+    if dev.type == "mps" and not (getattr(torch.backends, "mps", None) and torch.backends.mps.is_available()):
+        raise ValueError(f"device {dev} asked for, but Apple MPS is not available on this machine")
+    if not torch.amp.is_autocast_available(dev.type):
+        raise ValueError(f"torch has no autocast for device type {dev.type!r}")
+
+
+def autocast(device: DeviceLike, dtype: DtypeLike = "auto") -> ContextManager:
+    """`torch.amp.autocast` for `device` in `dtype` ("auto": `choose_dtype`); float32 gives a no-op context."""
+    dev = _as_device(device)
+    low = resolve_dtype(dev, dtype)
+    _check_usable(dev)
+    if low == torch.float32:
+        return contextlib.nullcontext()
+    return torch.amp.autocast(dev.type, dtype=low)
+
+
+# --- the training-step protocol ----------------------------------------------------------
+
+def _found_inf(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer) -> torch.Tensor | None:
+    """The inf/nan flag `scaler.unscale_(optimizer)` just computed, as a device tensor (no sync).
+
+    Reads GradScaler's per-optimizer record (a private attribute, stable since torch 1.6). Returns
+    None if that record cannot be found, so the caller can fall back to the public (slower) way.
+    """
+    states = getattr(scaler, "_per_optimizer_states", None)
+    if not isinstance(states, dict) or id(optimizer) not in states:
+        return None
+    flags = states[id(optimizer)].get("found_inf_per_device")
+    if not isinstance(flags, dict):
+        return None
+    if not flags:
+        raise RuntimeError("no gradients found for this optimizer: call backward(loss) before step()")
+    total = None
+    for flag in flags.values():
+        flag = flag.to(scaler._scale.device, non_blocking=True) if scaler._scale is not None else flag
+        total = flag if total is None else total + flag
+    return total
+
+
+class MixedPrecision:
+    """Autocast, loss scaling and the optimizer step for one device, as three calls.
+
+        precision = MixedPrecision(device)            # bf16 on CPU / Ampere+, fp16 (+ GradScaler) otherwise
+        with precision.autocast():
+            loss = loss_fn(model(x), y)
+        precision.backward(loss)
+        applied = precision.step(optimizer, clip_grad_norm=1.0)
+
+    `enabled=False` (or dtype float32) keeps everything in float32 with the same calls, so one loop
+    can compare both. A `GradScaler` exists only for float16, built with the device type named:
+    a bare `GradScaler()` means CUDA and silently disables itself on machines without it.
+    """
+
+    def __init__(self, device: DeviceLike, dtype: DtypeLike = "auto", enabled: bool = True, *,
+                 init_scale: float = 2.0 ** 16, growth_interval: int = 2000):
+        self.device = _as_device(device)
+        _check_usable(self.device)
+        if enabled:
+            self.dtype = resolve_dtype(self.device, dtype)
+        else:
+            resolve_dtype(self.device, "fp32" if dtype == "auto" else dtype)  # still reject bad names
+            self.dtype = torch.float32
+        self.enabled = self.dtype != torch.float32
+        self.scaler: torch.amp.GradScaler | None = None
+        if self.dtype == torch.float16:
+            self.scaler = torch.amp.GradScaler(self.device.type, init_scale=init_scale,
+                                               growth_interval=growth_interval)
+        self.skipped_steps = 0  # optimizer steps the scaler skipped because of inf/nan gradients
+        self.last_grad_norm: torch.Tensor | None = None  # from clipping; a device tensor (no sync)
+
+    def __repr__(self) -> str:
+        scaler = "GradScaler" if self.scaler is not None else "None"
+        return f"MixedPrecision(device={self.device}, dtype={self.dtype}, scaler={scaler})"
+
+    def autocast(self) -> ContextManager:
+        """A fresh autocast context for the forward pass and loss; a no-op when disabled."""
+        if not self.enabled:
+            return contextlib.nullcontext()
+        return torch.amp.autocast(self.device.type, dtype=self.dtype)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """`loss.backward()`, with the loss multiplied by the scaler's scale first when one exists."""
+        if self.scaler is not None:
+            self.scaler.scale(loss).backward()
+        else:
+            loss.backward()
+
+    def step(self, optimizer: torch.optim.Optimizer, parameters: Iterable[torch.Tensor] | None = None,
+             clip_grad_norm: float | None = None) -> bool:
+        """Unscale, optionally clip, step and update the scale. Returns False if the step was skipped.
+
+        Without a scaler (bf16, fp32) nothing is ever skipped: True comes back with no device sync.
+        With a scaler (fp16) the answer costs one CPU-GPU sync, the same one `GradScaler.step` makes
+        for ordinary optimizers: it must know on the CPU whether to call `optimizer.step()`. We read the
+        inf/nan flag computed by `unscale_` first (sync), then `scaler.step` reads the same flag again
+        with nothing new queued, so it waits for nothing. (Comparing `get_scale()` before and after
+        would cost two syncs, the second one after the optimizer step.) Fused optimizers
+        (`Adam(fused=True)`) normally skip on the GPU with no sync; asking for this bool adds one.
+
+        `parameters` (default: all of the optimizer's) are clipped to total norm `clip_grad_norm`
+        after unscaling, so the threshold is in true gradient units.
+        """
+        if clip_grad_norm is not None and not clip_grad_norm > 0:
+            raise ValueError(f"clip_grad_norm must be a positive number or None, got {clip_grad_norm!r}")
+        if clip_grad_norm is not None and parameters is None:
+            parameters = [p for group in optimizer.param_groups for p in group["params"]]
+        scaler = self.scaler
+        if scaler is None:
+            if clip_grad_norm is not None:
+                self.last_grad_norm = nn.utils.clip_grad_norm_(parameters, clip_grad_norm)
+            optimizer.step()
+            return True
+        if scaler._scale is None:  # scale() was never called: no scaled backward happened
+            raise RuntimeError("step() before any backward(loss): call precision.backward(loss) first")
+        scaler.unscale_(optimizer)  # grads /= scale in place and inf/nan flag on the device; no sync
+        if clip_grad_norm is not None:
+            self.last_grad_norm = nn.utils.clip_grad_norm_(parameters, clip_grad_norm)
+        found = _found_inf(scaler, optimizer)
+        if found is not None:
+            skipped = bool(found.item())  # CPU-GPU sync point here (GradScaler.step makes it anyway)
+            scaler.step(optimizer)  # skips optimizer.step() on inf/nan; its own .item() now waits for nothing
+            scaler.update()  # backs the scale off after a skip, grows it after growth_interval good steps
+        else:  # GradScaler internals changed: public fallback, two syncs
+            before = scaler.get_scale()  # CPU-GPU sync point here
+            scaler.step(optimizer)
+            scaler.update()
+            skipped = scaler.get_scale() < before  # sync again; the scale only shrinks after a skip
+        self.skipped_steps += skipped
+        return not skipped
+
+    def state_dict(self) -> dict[str, Any]:
+        """Checkpointable state: the dtype and the scaler's scale/growth tracker (reading them syncs once)."""
+        return {"dtype": str(self.dtype).removeprefix("torch."),
+                "scaler": self.scaler.state_dict() if self.scaler is not None else {}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore the scaler state saved by `state_dict()`.
+
+        A checkpoint without scaler state (a bf16 or fp32 run) leaves a fresh scaler; scaler state
+        loaded into a run without a scaler (an fp16 checkpoint resumed in bf16) is not needed and dropped.
+        """
+        if not isinstance(state, dict) or "scaler" not in state or not isinstance(state["scaler"], dict):
+            raise ValueError("not a MixedPrecision state: expected a dict from MixedPrecision.state_dict() "
+                             "with a 'scaler' entry")
+        if self.scaler is not None and state["scaler"]:
+            self.scaler.load_state_dict(state["scaler"])
+
+
+def train_step(model: nn.Module, optimizer: torch.optim.Optimizer,
+               loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+               inputs: torch.Tensor, targets: torch.Tensor, precision: MixedPrecision,
+               clip_grad_norm: float | None = None) -> torch.Tensor:
+    """One optimizer step under `precision`; returns the loss, detached and still on the device."""
+    optimizer.zero_grad(set_to_none=True)
+    with precision.autocast():
+        loss = loss_fn(model(inputs), targets)
+    precision.backward(loss)
+    precision.step(optimizer, parameters=model.parameters() if clip_grad_norm is not None else None,
+                   clip_grad_norm=clip_grad_norm)
+    return loss.detach()
+
+
+# --- measurements for the notebook -------------------------------------------------------
+
+class OpDtypes(NamedTuple):
+    """Output dtype of one op under autocast, for float32 inputs and for low-precision inputs.
+
+    None means the op refused that input on this device.
+    """
+    from_fp32: torch.dtype | None
+    from_low: torch.dtype | None
+
+
+def _op_table(x: torch.Tensor, img: torch.Tensor, p: dict[str, torch.Tensor]) -> dict[str, Callable[[], Any]]:
+    """Ops fed activations `x` (N, 16) / `img` (N, 3, 8, 8) and float32 parameters `p`, as in a model."""
+    targets = p["targets"]
+    return {
+        "matmul": lambda: x @ x.T,
+        "linear": lambda: F.linear(x, p["w"], p["b"]),
+        "conv2d": lambda: F.conv2d(img, p["k"]),
+        "relu": lambda: F.relu(x),
+        "gelu": lambda: F.gelu(x),
+        "max_pool2d": lambda: F.max_pool2d(img, 2),
+        "add": lambda: x + x,
+        "exp": lambda: torch.exp(x),
+        "sum": lambda: x.sum(),
+        "mean": lambda: x.mean(),
+        "softmax": lambda: F.softmax(x, dim=1),
+        "log_softmax": lambda: F.log_softmax(x, dim=1),
+        "layer_norm": lambda: F.layer_norm(x, (16,), p["ln_w"], p["ln_b"]),
+        "batch_norm": lambda: F.batch_norm(img, p["bn_mean"], p["bn_var"], p["bn_w"], p["bn_b"], training=True),
+        "cross_entropy": lambda: F.cross_entropy(x, targets),
+        "mse_loss": lambda: F.mse_loss(x, x.flip(0)),
+    }
+
+
+def autocast_dtype_table(device: DeviceLike, dtype: DtypeLike = "auto") -> dict[str, OpDtypes]:
+    """Run common ops under autocast on `device` and report the dtype each one actually produced.
+
+    Measured, not looked up: autocast's op lists differ between CPU, CUDA and MPS and across torch
+    versions. Each op runs twice: on float32 activations (the model's input) and on activations
+    already in the low dtype (what follows a matmul). Parameters stay float32, as in a module.
+    """
+    dev = _as_device(device)
+    low = resolve_dtype(dev, dtype)
+    if low == torch.float32:
+        raise ValueError("autocast_dtype_table needs a low-precision dtype (bf16 or fp16), not float32")
+    _check_usable(dev)
+    gen = torch.Generator().manual_seed(0)  # CPU generator, then moved: same numbers on every device
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen).to(dev)
+
+    x, img = rand(8, 16), rand(4, 3, 8, 8)
+    params = {"w": rand(4, 16), "b": rand(4), "k": rand(5, 3, 3, 3), "ln_w": rand(16), "ln_b": rand(16),
+              "bn_mean": torch.zeros(3, device=dev), "bn_var": torch.ones(3, device=dev),
+              "bn_w": rand(3), "bn_b": rand(3), "targets": torch.arange(8, device=dev) % 16}
+    results: dict[str, list[torch.dtype | None]] = {}
+    for inputs_dtype in (torch.float32, low):
+        ops = _op_table(x.to(inputs_dtype), img.to(inputs_dtype), params)
+        with torch.amp.autocast(dev.type, dtype=low):
+            for name, op in ops.items():
+                try:
+                    out_dtype = op().dtype
+                except (RuntimeError, NotImplementedError):
+                    out_dtype = None
+                results.setdefault(name, []).append(out_dtype)
+    return {name: OpDtypes(*pair) for name, pair in results.items()}
+
+
+def underflow_fraction(grads: torch.Tensor | Iterable[torch.Tensor | None],
+                       dtype: DtypeLike = torch.float16, scale: float = 1.0) -> float:
+    """Fraction of the nonzero gradient values that become exactly 0 when cast to `dtype`.
+
+    `grads`: a tensor or an iterable of tensors (None entries, e.g. `p.grad` of unused parameters,
+    are skipped). `scale` multiplies the values first, as loss scaling would, to show how many it
+    rescues. Values are counted in float32. Returns 0.0 when no value is nonzero. One sync at the end.
+    """
+    target = resolve_dtype("cpu", dtype)
+    if not isinstance(scale, (int, float)) or not scale > 0:
+        raise ValueError(f"scale must be a positive number, got {scale!r}")
+    tensors = [grads] if isinstance(grads, torch.Tensor) else [g for g in grads if g is not None]
+    if not tensors:
+        raise ValueError("no gradients given (all None?): run loss.backward() and pass [p.grad for p in "
+                         "model.parameters()]")
+    nonzero = lost = None
+    for g in tensors:
+        if not isinstance(g, torch.Tensor) or not g.is_floating_point():
+            raise TypeError(f"gradients must be floating-point tensors, got {getattr(g, 'dtype', type(g))}")
+        values = g.detach().float()
+        if scale != 1.0:
+            values = values * scale
+        nz = values != 0
+        gone = nz & (values.to(target) == 0)
+        n, k = nz.sum(), gone.sum()
+        nonzero = n if nonzero is None else nonzero + n.to(nonzero.device)
+        lost = k if lost is None else lost + k.to(lost.device)
+    total = int(nonzero)  # CPU-GPU sync point here (once, for all tensors)
+    return 0.0 if total == 0 else int(lost) / total

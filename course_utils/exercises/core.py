@@ -1,0 +1,250 @@
+"""The exercise system: a registry of exercises and `check` / `hint` / `solution`.
+
+An exercise cell in a notebook looks like
+
+    def make_counter():
+        raise NotImplementedError  # your code here
+    check("01.2", make_counter)
+
+`check` never raises and never hangs: whatever the learner's answer does (raise, return None, return
+the wrong type, mutate its input, loop forever) becomes a line of feedback. A blank answer (`...`, or a
+function that raises NotImplementedError) is reported as "not attempted yet".
+"""
+from __future__ import annotations
+
+import copy
+import signal
+import threading
+import traceback
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+NOT_ATTEMPTED, CORRECT, INCORRECT = "not attempted", "correct", "incorrect"
+
+
+class Incorrect(Exception):
+    """Raised by a checker with the feedback for a wrong answer."""
+
+
+class NotAttempted(Exception):
+    """The answer is still the blank."""
+
+
+class AnswerTimeout(Exception):
+    """The learner's code ran longer than the exercise allows."""
+
+
+@dataclass
+class Mistake:
+    """A common wrong answer (`code` replaces the blank) and a phrase its feedback must contain."""
+    code: str
+    feedback: str
+
+
+@dataclass
+class Exercise:
+    id: str                      # "NN.k": notebook number and exercise number
+    title: str
+    blank: str                   # the exact text of the blank in the notebook cell
+    solution: str                # reference answer; replaces `blank` in the solved notebook
+    answer: str                  # the name passed to check(), e.g. "make_counter"
+    checker: Callable[[Any], str | None]  # raises Incorrect(feedback); may return a success remark
+    hints: list[str] = field(default_factory=list)
+    mistakes: list[Mistake] = field(default_factory=list)
+    setup: str = ""              # what the cell relies on from earlier cells (imports, definitions)
+    timeout: float = 10.0        # seconds the learner's code may take in total
+
+
+@dataclass
+class Result:
+    status: str
+    message: str
+
+    @property
+    def passed(self) -> bool:
+        return self.status == CORRECT
+
+
+REGISTRY: dict[str, Exercise] = {}
+_hints_shown: dict[str, int] = {}
+
+
+def register(*exercises: Exercise) -> None:
+    for ex in exercises:
+        if ex.id in REGISTRY and REGISTRY[ex.id] is not ex:
+            raise ValueError(f"exercise id {ex.id} registered twice")
+        REGISTRY[ex.id] = ex
+
+
+# --- helpers for checkers -------------------------------------------------------------------
+
+def call(fn, *args, name: str | None = None, check_mutation: bool = True, **kwargs):
+    """Call the learner's `fn`, turning what can go wrong into feedback.
+
+    NotImplementedError means the blank is still there; any other exception becomes an Incorrect that
+    names the call; changing an argument in place is reported too (the caller's data would be altered).
+    """
+    label = name or getattr(fn, "__name__", "your function")
+    if not callable(fn):
+        raise Incorrect(f"expected something callable (a function or an object with __call__), "
+                        f"got {describe(fn)}")
+    before = [_snapshot(a) for a in args] if check_mutation else None
+    try:
+        out = fn(*args, **kwargs)
+    except NotImplementedError:
+        raise NotAttempted() from None
+    except (AnswerTimeout, KeyboardInterrupt):
+        raise
+    except Exception as exc:  # the learner's code raised: say where, not a traceback
+        raise Incorrect(f"calling {label}({', '.join(_short(a) for a in args)}) raised "
+                        f"{type(exc).__name__}: {exc}") from None
+    if check_mutation:
+        for i, (a, b) in enumerate(zip(args, before)):
+            if b is not None and not _same(a, b):
+                raise Incorrect(f"{label} changed its argument {i + 1} ({_short(b)}) in place; "
+                                "return a new value and leave the input as it was")
+    return out
+
+
+def describe(value) -> str:
+    """A short description of a value for feedback: type and a glimpse."""
+    try:
+        import torch
+        if isinstance(value, torch.Tensor):
+            return f"a tensor of shape {tuple(value.shape)}, dtype {value.dtype}, on {value.device}"
+    except ImportError:  # pragma: no cover
+        pass
+    if value is None:
+        return "None (did you forget a `return`?)"
+    if value is ...:
+        return "... (the blank)"
+    return f"{type(value).__name__} {_short(value)}"
+
+
+def _short(value, limit: int = 60) -> str:
+    try:
+        text = repr(value)
+    except Exception:
+        text = f"<{type(value).__name__}>"
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _snapshot(value):
+    try:
+        return copy.deepcopy(value)
+    except Exception:
+        return None
+
+
+def _same(a, b) -> bool:
+    try:
+        import torch
+        if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+            return a.shape == b.shape and a.dtype == b.dtype and bool(torch.equal(a, b))
+        result = a == b
+        return bool(result) if isinstance(result, bool) else True
+    except Exception:
+        return True
+
+
+# --- running a checker safely ---------------------------------------------------------------
+
+class _Deadline:
+    """Interrupt the learner's code after `seconds` (SIGALRM on the main thread of a POSIX system;
+    elsewhere the check cannot be interrupted and only reports the overrun afterwards)."""
+
+    def __init__(self, seconds: float):
+        self.seconds = seconds
+        self.armed = False
+
+    def _fire(self, signum, frame):
+        raise AnswerTimeout()
+
+    def __enter__(self):
+        if hasattr(signal, "setitimer") and threading.current_thread() is threading.main_thread():
+            self.previous = signal.signal(signal.SIGALRM, self._fire)
+            signal.setitimer(signal.ITIMER_REAL, self.seconds)
+            self.armed = True
+        return self
+
+    def __exit__(self, *exc):
+        if self.armed:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, self.previous)
+        return False
+
+
+def get(exercise_id: str) -> Exercise:
+    from . import load_all
+    load_all()
+    try:
+        return REGISTRY[exercise_id]
+    except KeyError:
+        known = ", ".join(sorted(REGISTRY)) or "none"
+        raise KeyError(f"no exercise {exercise_id!r}; known exercises: {known}") from None
+
+
+def evaluate(exercise_id: str, answer, timeout: float | None = None) -> Result:
+    """Check `answer` and return a Result; never raises for anything the answer does."""
+    try:
+        ex = get(str(exercise_id))
+    except KeyError as exc:
+        return Result(INCORRECT, str(exc.args[0]))
+    if answer is ...:
+        return Result(NOT_ATTEMPTED, "replace the `...` (or the `raise NotImplementedError`) with your answer, "
+                                     "then run the cell again")
+    seconds = ex.timeout if timeout is None else timeout
+    try:
+        with _Deadline(seconds):
+            remark = ex.checker(answer)
+    except NotAttempted:
+        return Result(NOT_ATTEMPTED, "your code still raises NotImplementedError: replace that line with your "
+                                     "answer, then run the cell again")
+    except Incorrect as exc:
+        return Result(INCORRECT, str(exc))
+    except AnswerTimeout:
+        return Result(INCORRECT, f"your answer took longer than {seconds:g} s, so the check stopped it; look for "
+                                 "a loop that never ends or work repeated far too often")
+    except RecursionError:
+        return Result(INCORRECT, "your answer recursed without end (RecursionError): does a method call itself?")
+    except Exception as exc:  # the answer broke an assumption of the checker (wrong type, odd object...)
+        where = traceback.extract_tb(exc.__traceback__)[-1]
+        return Result(INCORRECT, f"checking your answer failed with {type(exc).__name__}: {exc} "
+                                 f"(your answer is {describe(answer)}; line {where.lineno} of the checker)")
+    return Result(CORRECT, remark or "well done")
+
+
+_ICONS = {CORRECT: "[correct]", INCORRECT: "[not yet]", NOT_ATTEMPTED: "[not attempted yet]"}
+
+
+def check(exercise_id: str, answer) -> None:
+    """Check your answer to an exercise and print feedback. Never raises."""
+    result = evaluate(exercise_id, answer)
+    print(f"Exercise {exercise_id} {_ICONS[result.status]} {result.message}")
+
+
+def hint(exercise_id: str) -> None:
+    """Print the next hint for an exercise (each call reveals one more)."""
+    try:
+        ex = get(exercise_id)
+    except KeyError as exc:
+        print(exc.args[0])
+        return
+    if not ex.hints:
+        print(f"Exercise {exercise_id}: no hints for this one; try solution({exercise_id!r}).")
+        return
+    k = _hints_shown.get(exercise_id, 0)
+    shown = min(k, len(ex.hints) - 1)
+    _hints_shown[exercise_id] = k + 1
+    more = " (that was the last hint)" if shown == len(ex.hints) - 1 else ""
+    print(f"Hint {shown + 1}/{len(ex.hints)} for {exercise_id}: {ex.hints[shown]}{more}")
+
+
+def solution(exercise_id: str) -> None:
+    """Print the reference solution of an exercise."""
+    try:
+        ex = get(exercise_id)
+    except KeyError as exc:
+        print(exc.args[0])
+        return
+    print(f"Reference solution for {exercise_id} ({ex.title}):\n\n{ex.solution}")

@@ -1,0 +1,215 @@
+"""The whole GPU as the NVIDIA driver reports it, through NVML (the `nvidia-ml-py` package).
+
+NVML sees every process on the GPU, unlike PyTorch's allocator which sees only this kernel. Three
+things make it fiddly, and are handled here:
+
+- NVML ignores CUDA_VISIBLE_DEVICES, so NVML's device 0 need not be PyTorch's cuda:0. Once this kernel
+  has initialised CUDA the two are matched by UUID; before that we identify the GPU only when it is
+  unambiguous (one GPU, a UUID in CUDA_VISIBLE_DEVICES, or CUDA_DEVICE_ORDER=PCI_BUS_ID) and otherwise
+  say so instead of guessing.
+- Any reading can be unsupported (NVMLError_NotSupported): consumer cards without power readings, MIG
+  slices without utilization. Each field is tolerated on its own and not asked again.
+- On a MIG slice, memory is the slice's; temperature and power are the physical chip's.
+"""
+from __future__ import annotations
+
+import os
+import threading
+from dataclasses import dataclass
+from typing import Any, Callable
+
+_INIT_LOCK = threading.Lock()
+_INIT_RESULTS: dict[int, tuple[Any, str | None]] = {}  # id(module) -> (module, None or error text)
+
+# Readings that belong to the physical chip: on a MIG slice they are read from the parent GPU.
+_CHIP_FIELDS = frozenset({"temperature", "power", "power_limit"})
+
+
+def nvml_init(nvml) -> str | None:
+    """Initialise NVML once per process; return None on success, else the error text (also cached).
+
+    NVML reference-counts nvmlInit/nvmlShutdown, so other code doing its own init/shutdown pair
+    (e.g. `course_utils.device.query_nvml`) does not pull the library out from under the monitor.
+    """
+    with _INIT_LOCK:
+        key = id(nvml)
+        if key not in _INIT_RESULTS:
+            try:
+                nvml.nvmlInit()
+                _INIT_RESULTS[key] = (nvml, None)
+            except nvml.NVMLError as exc:  # LibraryNotFound, DriverNotLoaded, NoPermission, ...
+                _INIT_RESULTS[key] = (nvml, str(exc) or type(exc).__name__)
+        return _INIT_RESULTS[key][1]
+
+
+def normalize_uuid(uuid: str | bytes) -> str:
+    """'GPU-8a1f…' / 'MIG-…' (NVML) and '8a1f…' (PyTorch) to one comparable form: lower case, no prefix."""
+    text = uuid.decode() if isinstance(uuid, bytes) else str(uuid)
+    text = text.strip().lower()
+    for prefix in ("gpu-", "mig-"):
+        if text.startswith(prefix):
+            return text[len(prefix):]
+    return text
+
+
+def _text(value) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+@dataclass
+class _Device:
+    handle: Any
+    uuid: str              # as NVML gives it, e.g. "GPU-…" or "MIG-…"
+    index: int | None      # NVML index of a physical GPU; None for a MIG slice
+    parent: Any = None     # the physical GPU's handle, for a MIG slice
+
+    @property
+    def mig(self) -> bool:
+        return self.parent is not None
+
+
+class NvmlSource:
+    """Samples one GPU through NVML: utilization, memory used/total, temperature, power.
+
+    `device` is the CUDA device as PyTorch numbers it (default cuda:0). `nvml` is the NVML binding
+    (default: `import pynvml` from nvidia-ml-py), `torch_uuid` a function giving PyTorch's UUID for
+    that device or None before CUDA is initialised, and `environ` the environment to read
+    CUDA_VISIBLE_DEVICES from; tests pass stand-ins for what a machine without a GPU cannot show.
+    """
+
+    def __init__(self, device=None, nvml=None, torch_uuid: Callable[[], str | None] | None = None,
+                 environ: dict | None = None):
+        from .torch_source import cuda_index, torch_device_uuid
+
+        if nvml is None:
+            import pynvml as nvml  # nvidia-ml-py; importing only defines ctypes wrappers
+        self.nvml = nvml
+        self.index = cuda_index(device)
+        self.reason: str | None = None
+        self._environ = os.environ if environ is None else environ
+        self._torch_uuid = torch_uuid or (lambda: torch_device_uuid(self.index or 0))
+        self._devices: list[_Device] | None = None
+        self._target: _Device | None = None
+        self._match: str | None = None
+        self._names: dict[str, str | None] = {}
+        self._unsupported: set[str] = set()
+        self._from_parent: set[str] = set()
+
+    # --- which NVML device is ours -------------------------------------------------------
+    def _enumerate(self) -> list[_Device]:
+        nv = self.nvml
+        devices = []
+        for i in range(nv.nvmlDeviceGetCount()):
+            handle = nv.nvmlDeviceGetHandleByIndex(i)
+            devices.append(_Device(handle, _text(nv.nvmlDeviceGetUUID(handle)), i))
+            try:
+                current, _pending = nv.nvmlDeviceGetMigMode(handle)
+            except nv.NVMLError:  # NotSupported on GPUs without MIG
+                continue
+            if current != nv.NVML_DEVICE_MIG_ENABLE:
+                continue
+            for j in range(nv.nvmlDeviceGetMaxMigDeviceCount(handle)):
+                try:
+                    mig = nv.nvmlDeviceGetMigDeviceHandleByIndex(handle, j)
+                except nv.NVMLError:  # NotFound: an empty slot
+                    continue
+                devices.append(_Device(mig, _text(nv.nvmlDeviceGetUUID(mig)), None, parent=handle))
+        return devices
+
+    def _resolve(self) -> tuple[_Device | None, str | None]:
+        """(device, how it was matched) or (None, None) with self.reason set."""
+        if self._match == "uuid":
+            return self._target, self._match  # fixed for good once matched by UUID
+        if self._devices is None:
+            self._devices = self._enumerate()
+        devices = self._devices
+        physical = [d for d in devices if not d.mig]
+        wanted = self.index or 0
+        torch_uuid = self._torch_uuid()
+        if torch_uuid:
+            key = normalize_uuid(torch_uuid)
+            for d in devices:
+                if normalize_uuid(d.uuid) == key:
+                    return d, "uuid"
+            self.reason = f"PyTorch's cuda:{wanted} (UUID {torch_uuid}) is not among the GPUs NVML lists"
+            return None, None
+        cvd = self._environ.get("CUDA_VISIBLE_DEVICES")
+        if cvd is not None:
+            entries = [e.strip() for e in cvd.split(",") if e.strip()]
+            if wanted >= len(entries):
+                self.reason = f"CUDA_VISIBLE_DEVICES={cvd!r} makes no cuda:{wanted} visible"
+                return None, None
+            entry = entries[wanted].lower()
+            if entry.startswith(("gpu-", "mig-")):  # CUDA accepts unique UUID prefixes too
+                hits = [d for d in devices if d.uuid.lower().startswith(entry)]
+                if len(hits) == 1:
+                    return hits[0], "cuda-visible-devices"
+            elif entry.isdigit() and self._environ.get("CUDA_DEVICE_ORDER") == "PCI_BUS_ID":
+                if int(entry) < len(physical) and len(devices) == len(physical):
+                    return physical[int(entry)], "cuda-visible-devices"
+            elif entry == "0" and len(devices) == 1:
+                return devices[0], "only-gpu"
+        elif len(devices) == 1 and wanted == 0:
+            return devices[0], "only-gpu"
+        elif (self._environ.get("CUDA_DEVICE_ORDER") == "PCI_BUS_ID" and len(devices) == len(physical)
+              and wanted < len(physical)):
+            return physical[wanted], "pci-order"  # NVML enumerates in PCI bus order too
+        if not devices:
+            self.reason = "NVML lists no GPUs"
+        else:
+            self.reason = (f"{len(devices)} GPUs/MIG slices here; which one this kernel uses is known once "
+                           "PyTorch has initialised CUDA")
+        return None, None
+
+    # --- readings ------------------------------------------------------------------------
+    def _read(self, key: str, fn: Callable[[Any], Any], device: _Device):
+        """One reading; None when unsupported (remembered) or failing right now."""
+        nv = self.nvml
+        if key in self._unsupported:
+            return None
+        handle = device.parent if key in self._from_parent else device.handle
+        try:
+            return fn(handle)
+        except nv.NVMLError_NotSupported:
+            if device.mig and key in _CHIP_FIELDS and key not in self._from_parent:
+                self._from_parent.add(key)
+                return self._read(key, fn, device)
+            self._unsupported.add(key)
+        except nv.NVMLError:  # e.g. GPU_IS_LOST, Unknown: try again next time
+            pass
+        return None
+
+    def sample(self):
+        from .snapshot import GpuStats
+
+        nv = self.nvml
+        error = nvml_init(nv)
+        if error is not None:
+            self.reason = f"NVML is not available ({error})"
+            return None
+        device, match = self._resolve()
+        if device is None:
+            return None
+        if (device.uuid, match) != (getattr(self._target, "uuid", None), self._match):
+            self._unsupported.clear()
+            self._from_parent.clear()
+        self._target, self._match, self.reason = device, match, None
+        if device.uuid not in self._names:
+            try:
+                self._names[device.uuid] = _text(nv.nvmlDeviceGetName(device.handle))
+            except nv.NVMLError:
+                self._names[device.uuid] = None
+        memory = self._read("memory", nv.nvmlDeviceGetMemoryInfo, device)
+        return GpuStats(
+            name=self._names[device.uuid],
+            uuid=device.uuid,
+            mig=device.mig,
+            match=match,
+            utilization=self._read("utilization", lambda h: float(nv.nvmlDeviceGetUtilizationRates(h).gpu), device),
+            memory_used=int(memory.used) if memory is not None else None,
+            memory_total=int(memory.total) if memory is not None else None,
+            temperature=self._read("temperature",
+                                   lambda h: float(nv.nvmlDeviceGetTemperature(h, nv.NVML_TEMPERATURE_GPU)), device),
+            power=self._read("power", lambda h: nv.nvmlDeviceGetPowerUsage(h) / 1000.0, device),  # mW -> W
+            power_limit=self._read("power_limit", lambda h: nv.nvmlDeviceGetEnforcedPowerLimit(h) / 1000.0, device),
+        )

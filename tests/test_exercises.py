@@ -1,0 +1,116 @@
+"""Proofs for every exercise of every notebook.
+
+1. The committed (learner) notebook contains each exercise's blank exactly once, in the cell that checks it.
+2. The blank, run as written, is reported "not attempted".
+3. The reference solution passes.
+4. Every listed common mistake is rejected with its intended feedback.
+5. Fuzz: whatever the answer (None, wrong types, raising or slow callables), a checker gives feedback
+   and never raises or hangs.
+"""
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from course_utils.exercises import CORRECT, INCORRECT, NOT_ATTEMPTED, evaluate, load_all
+from course_utils.exercises.solve import exercise_cells, solve_notebook
+
+import nbformat
+
+NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
+REGISTRY = load_all()
+IDS = sorted(REGISTRY)
+
+
+def run(ex, code: str):
+    """Run an exercise's setup then `code` (blank, solution or mistake) and return the answer object."""
+    ns = {"__name__": f"exercise_{ex.id.replace('.', '_')}"}
+    exec(compile(ex.setup, f"<setup {ex.id}>", "exec"), ns)
+    exec(compile(code, f"<answer {ex.id}>", "exec"), ns)
+    assert ex.answer in ns, f"{ex.id}: running the code did not define {ex.answer!r}"
+    return ns[ex.answer]
+
+
+def test_every_notebook_exercise_is_registered_and_every_exercise_is_in_a_notebook():
+    in_notebooks = {}
+    for path in sorted(NOTEBOOKS.glob("[0-9][0-9]_*.ipynb")):
+        nb = nbformat.read(path, as_version=4)
+        for i, ex_id in exercise_cells(nb):
+            assert ex_id not in in_notebooks, f"{ex_id} is checked in two cells"
+            in_notebooks[ex_id] = (path.name, nb.cells[i].source)
+    assert set(in_notebooks) == set(REGISTRY), (
+        f"only in notebooks: {set(in_notebooks) - set(REGISTRY)}; only registered: {set(REGISTRY) - set(in_notebooks)}")
+    for ex_id, (name, source) in in_notebooks.items():
+        ex = REGISTRY[ex_id]
+        assert ex_id.startswith(name[:2] + "."), f"{ex_id} lives in {name}"
+        assert source.count(ex.blank) == 1, f"{name}: blank of {ex_id} not found exactly once"
+        assert f"check(\"{ex_id}\", {ex.answer})" in source, f"{name}: cell must call check(\"{ex_id}\", {ex.answer})"
+
+
+def test_solving_replaces_every_blank():
+    for path in sorted(NOTEBOOKS.glob("[0-9][0-9]_*.ipynb")):
+        nb = nbformat.read(path, as_version=4)
+        solved = solve_notebook(nb)
+        for i, ex_id in exercise_cells(solved):
+            assert REGISTRY[ex_id].solution in solved.cells[i].source
+
+
+@pytest.mark.parametrize("ex_id", IDS)
+def test_blank_is_not_attempted(ex_id):
+    ex = REGISTRY[ex_id]
+    result = evaluate(ex_id, run(ex, ex.blank))
+    assert result.status == NOT_ATTEMPTED, result
+
+
+@pytest.mark.parametrize("ex_id", IDS)
+def test_solution_passes(ex_id):
+    ex = REGISTRY[ex_id]
+    result = evaluate(ex_id, run(ex, ex.solution))
+    assert result.status == CORRECT, result
+
+
+@pytest.mark.parametrize("ex_id", IDS)
+def test_common_mistakes_get_their_feedback(ex_id):
+    ex = REGISTRY[ex_id]
+    assert ex.mistakes, f"{ex_id} lists no common mistakes"
+    assert ex.hints, f"{ex_id} has no hints"
+    for mistake in ex.mistakes:
+        result = evaluate(ex_id, run(ex, mistake.code))
+        assert result.status == INCORRECT, (mistake.code, result)
+        assert mistake.feedback in result.message, (mistake.code, result.message)
+
+
+def _raiser(exc):
+    def fn(*args, **kwargs):
+        raise exc
+    return fn
+
+
+def _slow(*args, **kwargs):
+    while True:
+        pass
+
+
+answers = st.one_of(
+    st.none(), st.booleans(), st.integers(), st.floats(allow_nan=True), st.text(max_size=20),
+    st.lists(st.integers(), max_size=5), st.dictionaries(st.text(max_size=3), st.integers(), max_size=3),
+    st.just(object()), st.just(print), st.just(len), st.just(lambda *a, **k: None),
+    st.just(_raiser(ValueError("boom"))), st.just(_raiser(TypeError("bad"))), st.just(_raiser(ZeroDivisionError())),
+    st.just(type("Weird", (), {"__eq__": _raiser(RuntimeError("no eq"))})()),
+    st.builds(lambda n: __import__("torch").randn(n), st.integers(0, 4)),
+)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ex_id=st.sampled_from(IDS), answer=answers)
+def test_fuzz_checkers_never_crash(ex_id, answer):
+    result = evaluate(ex_id, answer, timeout=3)
+    assert result.status in (CORRECT, INCORRECT, NOT_ATTEMPTED)
+    assert isinstance(result.message, str) and result.message
+
+
+@pytest.mark.parametrize("ex_id", IDS)
+def test_a_hanging_answer_is_stopped(ex_id):
+    result = evaluate(ex_id, _slow, timeout=0.5)
+    assert result.status == INCORRECT
