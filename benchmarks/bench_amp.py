@@ -7,9 +7,10 @@ Each step is `course_utils.amp.train_step` (zero_grad, autocast forward + loss, 
 fixed batch already on the device, so only the step is timed. Modes are timed interleaved
 (fp32, bf16, fp32, bf16, ...) so load drift hits them alike; medians are reported, and ratios are
 fp32 time / mode time (above 1: the mode is faster), both of medians and, more robust to drift,
-the median of per-round ratios ("paired"). Peak memory: torch.cuda.max_memory_allocated
-on CUDA, reported as the step's peak above what was allocated before it (activations, gradients,
-temporaries); not measured on other devices. Results go to benchmarks/results/amp_<device>.json.
+the median of per-round ratios ("paired"). Peak memory, measured in a separate untimed step
+and reported as the peak above what was allocated before it (activations, gradients, temporaries,
+autocast's low-precision weight copies): torch.cuda.max_memory_allocated on CUDA;
+course_utils.memory.SimulatedGPU's count on the CPU; not measured on MPS. Results go to benchmarks/results/amp_<device>.json.
 """
 from __future__ import annotations
 
@@ -29,6 +30,11 @@ from course_utils.amp import MixedPrecision, choose_dtype, train_step  # noqa: E
 from course_utils.device import get_device  # noqa: E402
 from course_utils.models import CifarCNN, SimpleCNN  # noqa: E402
 from course_utils.timing import format_seconds, measure_interleaved, stamp  # noqa: E402
+
+try:  # counts CPU memory the way a GPU would; optional
+    from course_utils.memory import SimulatedGPU
+except ImportError:
+    SimulatedGPU = None
 
 MODELS = {"SimpleCNN": (SimpleCNN, (1, 28, 28)), "CifarCNN": (CifarCNN, (3, 32, 32))}
 
@@ -53,19 +59,30 @@ def make_step(model_cls, shape, batch: int, device: torch.device, dtype: str):
     def step() -> torch.Tensor:
         return train_step(model, opt, F.cross_entropy, x, y, precision)
 
+    step.model, step.optimizer = model, opt  # for the CPU memory count
     return step, precision
 
 
 def peak_step_bytes(step, device: torch.device) -> int | None:
-    """Peak memory a (warmed-up) step allocates above what was live before it; CUDA only."""
-    if device.type != "cuda":
-        return None
-    torch.cuda.synchronize(device)
-    base = torch.cuda.memory_allocated(device)
-    torch.cuda.reset_peak_memory_stats(device)
-    step()
-    torch.cuda.synchronize(device)
-    return torch.cuda.max_memory_allocated(device) - base
+    """Peak memory a (warmed-up) step allocates above what was live before it.
+
+    CUDA: torch.cuda.max_memory_allocated. CPU: counted by course_utils.memory.SimulatedGPU (live
+    tensor storages, rounded like CUDA's allocator; slows the step, so it is not timed). Else None.
+    """
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        base = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        step()
+        torch.cuda.synchronize(device)
+        return torch.cuda.max_memory_allocated(device) - base
+    if device.type == "cpu" and SimulatedGPU is not None:
+        with SimulatedGPU("1TiB", model=step.model, optimizer=step.optimizer) as gpu:  # counts, never OOMs
+            base = gpu.memory_allocated()
+            gpu.reset_peak_memory_stats()
+            step()
+            return gpu.max_memory_allocated() - base
+    return None
 
 
 def run(device: torch.device, dtypes: list[str], batch: int, repeats: int, warmup: int) -> dict:
@@ -121,7 +138,8 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"AMP benchmark on {info['hardware']}, torch {info['torch']}, modes {dtypes}")
     results = run(device, dtypes, batch, repeats, args.warmup)
     if device.type != "cuda":
-        print("(peak memory is measured on CUDA only)")
+        print("(peak memory: " + ("counted by SimulatedGPU" if device.type == "cpu" and SimulatedGPU
+                                  else "not measured on this device") + ")")
     record = {"benchmark": "amp", **info, "batch": batch, "repeats": repeats, "warmup": args.warmup,
               "torch_threads": torch.get_num_threads(), "results": results,
               "note": "speedup_vs_fp32 = fp32 median / mode median, both from one interleaved run"}

@@ -101,8 +101,8 @@ def _check_usable(dev: torch.device) -> None:
 def autocast(device: DeviceLike, dtype: DtypeLike = "auto") -> ContextManager:
     """`torch.amp.autocast` for `device` in `dtype` ("auto": `choose_dtype`); float32 gives a no-op context."""
     dev = _as_device(device)
-    low = resolve_dtype(dev, dtype)
     _check_usable(dev)
+    low = resolve_dtype(dev, dtype)
     if low == torch.float32:
         return contextlib.nullcontext()
     return torch.amp.autocast(dev.type, dtype=low)
@@ -296,10 +296,10 @@ def autocast_dtype_table(device: DeviceLike, dtype: DtypeLike = "auto") -> dict[
     already in the low dtype (what follows a matmul). Parameters stay float32, as in a module.
     """
     dev = _as_device(device)
+    _check_usable(dev)
     low = resolve_dtype(dev, dtype)
     if low == torch.float32:
         raise ValueError("autocast_dtype_table needs a low-precision dtype (bf16 or fp16), not float32")
-    _check_usable(dev)
     gen = torch.Generator().manual_seed(0)  # CPU generator, then moved: same numbers on every device
 
     def rand(*shape: int) -> torch.Tensor:
