@@ -65,6 +65,7 @@ class DeviceMonitor:
         self.chart_interval = float(chart_interval)
         self.history: deque[Snapshot] = deque(maxlen=max(2, int(history / self._loop.interval) + 1))
         self.latest: Snapshot | None = None
+        self.samples = 0
         self._last_chart = float("-inf")
         self._chart = None
         self._build()
@@ -157,10 +158,9 @@ class DeviceMonitor:
         self.latest = snap
         self.history.append(snap)
         self._show(snap)
-        n = self._loop.ticks + 1
+        self.samples += 1
         set_changed(self._status, value=f"updated {time.strftime('%H:%M:%S', time.localtime(snap.time))}"
-                    f" · sample {n}" if self.running else
-                    f"sampled {time.strftime('%H:%M:%S', time.localtime(snap.time))} (not running)")
+                                        f" · sample {self.samples}")
         if time.monotonic() - self._last_chart >= self.chart_interval and len(self.history) >= 2:
             self._last_chart = time.monotonic()
             self._draw_chart()
