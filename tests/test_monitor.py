@@ -23,7 +23,7 @@ import torch
 from comm.base_comm import BaseComm
 from torch import nn
 
-from course_utils.monitor import (DeviceMonitor, HostSource, NvmlSource, Sampler, Snapshot, TorchSource,
+from course_utils.monitor import (DeviceMonitor, HostSource, NvmlSource, Sampler, TorchSource,
                                   TrainingProgress, read_cgroup_limits)
 from course_utils.monitor import loop as monitor_loop
 from course_utils.monitor.chart import LineChart
