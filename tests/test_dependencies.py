@@ -1,0 +1,43 @@
+"""requirements.txt and environment.yml must list the same packages with the same lower bounds."""
+import re
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+CONDA_TO_PIP = {"pytorch": "torch"}  # conda-forge names that differ from PyPI's
+SPEC = re.compile(r"^([A-Za-z0-9_.\-]+)\s*(.*)$")
+
+
+def parse(lines):
+    out = {}
+    for line in lines:
+        line = line.split("#", 1)[0].strip()
+        if not line:
+            continue
+        if line.startswith("-e"):
+            out["<this project>"] = ""
+            continue
+        name, spec = SPEC.match(line).groups()
+        out[CONDA_TO_PIP.get(name.lower(), name.lower())] = spec.replace(" ", "")
+    return out
+
+
+def test_requirements_and_environment_agree():
+    reqs = parse((ROOT / "requirements.txt").read_text().splitlines())
+    env = yaml.safe_load((ROOT / "environment.yml").read_text())
+    conda, pip = [], []
+    for dep in env["dependencies"]:
+        (pip.extend(dep["pip"]) if isinstance(dep, dict) else conda.append(dep))
+    listed = parse(conda + pip)
+    listed.pop("python"), listed.pop("pip")
+    assert listed == reqs
+
+
+def test_required_versions_are_present():
+    reqs = parse((ROOT / "requirements.txt").read_text().splitlines())
+    assert reqs["torch"] == ">=2.6"       # torch.amp and weights_only loading
+    assert reqs["ipykernel"] == ">=7.1"   # 7.0.x breaks widget updates from threads
+    assert reqs["ipywidgets"].startswith(">=8")
+    assert "nvidia-ml-py" in reqs and "pynvml" not in reqs  # the maintained NVML binding
+    assert not any("<" in spec for spec in reqs.values()), "no upper pins unless something is broken"

@@ -1,0 +1,86 @@
+"""Device choice and the environment diagnosis. The diagnosis branches are fed faked NVML/torch answers:
+a missing driver, a CPU-only build, an old driver or a hidden GPU cannot be staged on this machine."""
+import pytest
+import torch
+
+from course_utils import describe_environment, get_device
+from course_utils.device import NvmlInfo, TorchInfo, diagnose, query_nvml, query_torch
+
+
+def torch_info(cuda_build="12.4", available=False, hip=None):
+    return TorchInfo(version="2.6.0", cuda_build=cuda_build, hip_build=hip, cuda_available=available,
+                     device_count=1 if available else 0, mps_available=False)
+
+
+GOOD_DRIVER = NvmlInfo(True, driver_version="550.54", cuda_driver_version=(12, 4), gpus=["NVIDIA GeForce RTX 3060"])
+
+
+def test_get_device_defaults_to_the_best_available():
+    expected = "cuda" if torch.cuda.is_available() else ("mps" if torch.backends.mps.is_available() else "cpu")
+    assert get_device().type == expected
+
+
+def test_env_var_and_explicit_preference_override(monkeypatch):
+    monkeypatch.setenv("COURSE_DEVICE", "cpu")
+    assert get_device() == torch.device("cpu")
+    monkeypatch.setenv("COURSE_DEVICE", "meta")
+    assert get_device() == torch.device("meta")
+    assert get_device("cpu") == torch.device("cpu")  # explicit beats the variable
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_asking_for_missing_cuda_says_what_to_do():
+    with pytest.raises(ValueError, match="describe_environment"):
+        get_device("cuda")
+
+
+def test_no_driver_is_reported_first():
+    steps = diagnose(torch_info(), NvmlInfo(False, error="NVML Shared Library Not Found"), env={})
+    assert not steps[0].ok and "NVML Shared Library Not Found" in steps[0].finding
+    assert len(steps) == 2  # nothing more can be learnt without a driver
+
+
+def test_cpu_only_build_with_a_gpu_present_is_the_diagnosis():
+    steps = diagnose(torch_info(cuda_build=None), GOOD_DRIVER, env={})
+    assert steps[0].ok
+    assert not steps[-1].ok and "CPU-only build" in steps[-1].finding
+    assert "README" in steps[-1].finding
+
+
+def test_driver_too_old_for_the_build():
+    old = NvmlInfo(True, driver_version="470.1", cuda_driver_version=(11, 4), gpus=["Tesla T4"])
+    steps = diagnose(torch_info(cuda_build="12.4"), old, env={})
+    assert not steps[-1].ok
+    assert "11.4" in steps[-1].finding and "12.4" in steps[-1].finding
+
+
+@pytest.mark.parametrize("value", ["", "-1"])
+def test_gpu_hidden_by_cuda_visible_devices(value):
+    steps = diagnose(torch_info(), GOOD_DRIVER, env={"CUDA_VISIBLE_DEVICES": value})
+    assert not steps[-1].ok and "CUDA_VISIBLE_DEVICES" in steps[-1].finding and repr(value) in steps[-1].finding
+
+
+def test_everything_looks_right_but_cuda_failed_to_start():
+    t = torch_info()
+    t.cuda_error = "CUDA unknown error"
+    steps = diagnose(t, GOOD_DRIVER, env={"CUDA_VISIBLE_DEVICES": "0"})
+    assert [s.ok for s in steps[:-1]] == [True] * (len(steps) - 1)
+    assert "CUDA unknown error" in steps[-1].finding
+
+
+def test_report_for_a_faked_gpu_less_machine_lists_the_diagnosis():
+    report = str(describe_environment(torch_info(cuda_build=None), GOOD_DRIVER, env={}))
+    assert "CPU-only build" in report and "Diagnosis for this machine" in report
+    assert "driver: 550.54" in report
+
+
+def test_real_report_on_this_machine_is_consistent():
+    t, n = query_torch(), query_nvml()
+    report = describe_environment()
+    text = str(report)
+    assert torch.__version__ in text
+    assert ("CPU-only" in text) == (torch.version.cuda is None and not getattr(torch.version, "hip", None))
+    if not t.cuda_available and not t.mps_available:
+        assert report.steps and "Diagnosis for this machine" in text
+    assert report.device == get_device()
+    assert n.available or n.error

@@ -1,0 +1,26 @@
+"""Run each notebook with every exercise filled in with its reference solution: every check must pass.
+
+This is the instructor's version (`python -m course_utils.exercises solve notebooks/ OUT`), executed from a
+fresh kernel like a learner's restart-and-run-all."""
+from pathlib import Path
+
+import nbformat
+import pytest
+from nbclient import NotebookClient
+
+from course_utils.exercises.solve import exercise_cells, solve_notebook
+
+NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
+WITH_EXERCISES = [p for p in sorted(NOTEBOOKS.glob("[0-9][0-9]_*.ipynb"))
+                  if exercise_cells(nbformat.read(p, as_version=4))]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path", WITH_EXERCISES, ids=[p.stem for p in WITH_EXERCISES])
+def test_solved_notebook_passes_every_check(path):
+    solved = solve_notebook(nbformat.read(path, as_version=4))
+    NotebookClient(solved, timeout=600, kernel_name="python3",
+                   resources={"metadata": {"path": str(NOTEBOOKS)}}).execute()
+    for i, ex_id in exercise_cells(solved):
+        text = "".join(o.get("text", "") for o in solved.cells[i].outputs if o.get("output_type") == "stream")
+        assert f"Exercise {ex_id} [correct]" in text, f"cell {i} ({ex_id}) printed: {text!r}"

@@ -1,0 +1,95 @@
+"""The Trainer as a callable: history, device handling, callbacks, and PyTorch's own loop as the oracle."""
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from course_utils.data import TensorLoader
+from course_utils.models import CifarCNN, SimpleCNN, count_parameters
+from course_utils.trainer import Callback, Trainer
+
+
+def tiny_data(n=64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, 1, 28, 28, generator=g), torch.randint(0, 10, (n,), generator=g)
+
+
+def test_models_shapes_and_sizes():
+    assert SimpleCNN()(torch.zeros(2, 1, 28, 28)).shape == (2, 10)
+    assert CifarCNN()(torch.zeros(2, 3, 32, 32)).shape == (2, 10)
+    assert count_parameters(SimpleCNN()) == sum(p.numel() for p in SimpleCNN().parameters())
+    assert len(list(SimpleCNN().children())) == 2  # features + classifier
+
+
+def test_trainer_matches_a_hand_written_loop_exactly():
+    x, y = tiny_data()
+    torch.manual_seed(0)
+    model_a = SimpleCNN()
+    model_b = copy.deepcopy(model_a)
+    opt_a = torch.optim.SGD(model_a.parameters(), lr=0.05, momentum=0.9)
+    opt_b = torch.optim.SGD(model_b.parameters(), lr=0.05, momentum=0.9)
+    loss_fn = nn.CrossEntropyLoss()
+    history = Trainer(model_a, opt_a, loss_fn, TensorLoader(x, y, 16, shuffle=False), device="cpu")(2)
+
+    expected = []
+    for _ in range(2):
+        losses = []
+        for i in range(0, 64, 16):
+            opt_b.zero_grad()
+            loss = loss_fn(model_b(x[i:i + 16]), y[i:i + 16])
+            loss.backward()
+            opt_b.step()
+            losses.append(loss.item())
+        expected.append(sum(losses) / len(losses))
+    assert history == pytest.approx(expected, abs=1e-6)
+    for p, q in zip(model_a.parameters(), model_b.parameters()):
+        assert torch.equal(p, q)
+
+
+def test_history_accumulates_across_calls_and_returns_floats():
+    x, y = tiny_data()
+    model = SimpleCNN()
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), 0.01), nn.CrossEntropyLoss(),
+                      TensorLoader(x, y, 32), device="cpu")
+    first = trainer(2)
+    second = trainer(1)
+    assert all(isinstance(v, float) for v in first + second)
+    assert trainer.history == first + second and trainer.epoch == 3
+    assert trainer(0) == []
+    with pytest.raises(ValueError, match="epochs"):
+        trainer(-1)
+
+
+def test_callbacks_see_every_step_with_device_tensors():
+    x, y = tiny_data()
+    events = []
+
+    class Recorder(Callback):
+        def on_train_start(self, trainer): events.append("start")
+        def on_epoch_start(self, trainer, epoch): events.append(f"epoch{epoch}")
+        def on_step_end(self, trainer, step, loss):
+            assert isinstance(loss, torch.Tensor) and loss.dim() == 0 and not loss.requires_grad
+            events.append(step)
+        def on_epoch_end(self, trainer, epoch, logs): events.append(("end", epoch, round(logs["loss"], 6)))
+        def on_train_end(self, trainer): events.append("stop")
+
+    model = SimpleCNN()
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), 0.01), nn.CrossEntropyLoss(),
+                      TensorLoader(x, y, 32), device="cpu", callbacks=[Recorder()])
+    history = trainer(2)
+    assert events[:4] == ["start", "epoch0", 1, 2]
+    assert events[4] == ("end", 0, round(history[0], 6))
+    assert events[-1] == "stop" and events.count("epoch1") == 1
+
+
+def test_evaluate_reports_accuracy_and_restores_mode():
+    x, y = tiny_data()
+    model = SimpleCNN()
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), 0.01), nn.CrossEntropyLoss(),
+                      TensorLoader(x, y, 32), device="cpu")
+    model.train()
+    result = trainer.evaluate(TensorLoader(x, y, 64, shuffle=False))
+    expected = (model(x).argmax(1) == y).float().mean().item()
+    assert result["accuracy"] == pytest.approx(expected)
+    assert model.training
