@@ -1,5 +1,4 @@
 """Offline datasets, the real torchvision loading path on files in the real format, and TensorLoader."""
-import gzip
 import struct
 
 import numpy as np
