@@ -26,6 +26,7 @@ from torch import nn
 from course_utils.monitor import (DeviceMonitor, HostSource, NvmlSource, Sampler, TorchSource,
                                   TrainingProgress, read_cgroup_limits)
 from course_utils.monitor import loop as monitor_loop
+from course_utils.monitor._widgets import fmt_bytes
 from course_utils.monitor.chart import LineChart
 from course_utils.monitor.host import CgroupLimits
 from course_utils.monitor.nvml import normalize_uuid
@@ -547,7 +548,7 @@ def test_panel_labels_gpu_as_whole_gpu_and_torch_as_this_kernel():
     monitor.refresh()
     assert "whole GPU (NVML)" in monitor._gpu_title.value and "Fake L4" in monitor._gpu_title.value
     assert "this kernel (PyTorch)" in monitor._torch_title.value
-    assert monitor._gpu["mem"].text.value == "3.0 GiB / 24.0 GiB"
+    assert monitor._gpu["mem"].text.value == "3.00 GiB / 24.0 GiB"
     assert monitor._gpu["mem"].bar.value == pytest.approx(12.5)
 
 
@@ -560,6 +561,13 @@ def test_history_chart_is_a_png_redrawn_at_most_every_chart_interval():
     assert bytes(png).startswith(b"\x89PNG")
     monitor.refresh()
     assert monitor._image.value is png  # within chart_interval: not redrawn
+
+
+@pytest.mark.parametrize("n, text", [(None, "n/a"), (512, "512 B"), (1000, "0.977 KiB"), (5 * 2**20, "5.00 MiB"),
+                                     (int(1.02 * GiB), "1.02 GiB"), (int(23.5 * GiB), "23.5 GiB"),
+                                     (200 * 2**20, "200 MiB")])
+def test_byte_counts_keep_three_significant_digits(n, text):
+    assert fmt_bytes(n) == text
 
 
 def test_line_chart_checks_its_input_and_draws_gaps():

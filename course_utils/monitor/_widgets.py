@@ -26,11 +26,14 @@ def set_visible(widget, visible: bool) -> None:
 
 
 def fmt_bytes(n: float | None) -> str:
+    """Three significant digits (1.02 GiB, 23.5 GiB, 512 MiB): small changes stay visible."""
     if n is None:
         return "n/a"
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{int(n)} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        if abs(n) < 1000 or unit == "TiB":
+            if unit == "B":
+                return f"{int(n)} B"
+            return f"{n:.0f} {unit}" if abs(n) >= 100 else f"{n:#.3g} {unit}"
         n /= 1024
     return f"{n} B"  # pragma: no cover
 

@@ -18,7 +18,8 @@ class LineChart:
 
     def __init__(self, series: Sequence[tuple[str, str]], *, xlabel: str = "", ylabel: str = "",
                  ylim: tuple[float, float] | None = None, size: tuple[float, float] = (4.8, 1.7), dpi: int = 90,
-                 widths: Sequence[float] | None = None, alphas: Sequence[float] | None = None):
+                 widths: Sequence[float] | None = None, alphas: Sequence[float] | None = None,
+                 legend: str = "upper left"):
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
 
@@ -38,6 +39,7 @@ class LineChart:
         if ylim is not None:
             self._ax.set_ylim(*ylim)
         self._legend = None
+        self._legend_loc = legend  # a fixed place: loc="best" is slow on long lines and warns about it
         self._fig.subplots_adjust(left=0.12, right=0.95, top=0.95, bottom=0.25)
 
     def render(self, x: Sequence[float], ys: Sequence[Sequence[float | None]]) -> bytes:
@@ -59,7 +61,7 @@ class LineChart:
             self._ax.set_xlim(lo, hi if hi > lo else lo + 1)
         if self._legend is not None:
             self._legend.remove()
-        self._legend = (self._ax.legend(handles=shown, fontsize=7, loc="upper left", frameon=False,
+        self._legend = (self._ax.legend(handles=shown, fontsize=7, loc=self._legend_loc, frameon=False,
                                         ncols=max(1, len(shown))) if shown else None)
         buffer = io.BytesIO()
         self._canvas.print_png(buffer)

@@ -213,7 +213,8 @@ class TrainingProgress(Callback):
 
         if self._chart is None:
             self._chart = LineChart([("loss", "tab:blue"), ("smoothed", "tab:red")], xlabel="step",
-                                    ylabel="loss", widths=[0.8, 1.8], alphas=[0.35, 1.0])
+                                    ylabel="loss", widths=[0.8, 1.8], alphas=[0.35, 1.0],
+                                    legend="upper right")  # a falling loss leaves that corner empty
         set_changed(self._image, value=self._chart.render(self.loss_steps, [self.losses, self.smoothed]))
         set_visible(self._image, True)
 

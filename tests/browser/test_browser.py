@@ -1,0 +1,176 @@
+"""The monitor in a real JupyterLab, driven by headless Chromium through Playwright.
+
+Starts JupyterLab on 127.0.0.1 (random free port, random token, a temporary copy of the fixture
+notebook, isolated Jupyter config/data/runtime dirs), runs all cells from the Run menu, and while the
+training cell is still running ([*] prompt) reads the DeviceMonitor panel's text twice, a few seconds
+apart: widget updates sent from the monitor's thread must reach the page while the kernel is busy
+(they did not with ipykernel 7.0). Saves screenshots under artifacts/ and shuts the server down.
+
+Needs /usr/bin/chromium (`.ci/browser-setup.sh` installs it); skipped with a reason otherwise.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.browser
+
+ROOT = Path(__file__).resolve().parents[2]
+FIXTURE = Path(__file__).with_name("monitor_fixture.ipynb")
+ARTIFACTS = ROOT / "artifacts"
+CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+TRAINING_CELL = 3  # index among all cells (markdown first) of the cell that trains for >= 24 s
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def lab(tmp_path):
+    """A JupyterLab server with the fixture notebook; yields (base_url, token); always shut down."""
+    if not os.access(CHROMIUM, os.X_OK):
+        pytest.skip(f"{CHROMIUM} is missing: run .ci/browser-setup.sh (apt-get install chromium) to run this test")
+    pytest.importorskip("playwright.sync_api", reason="the playwright Python package is not installed")
+    root = tmp_path / "notebooks"
+    root.mkdir()
+    shutil.copy(FIXTURE, root / FIXTURE.name)
+    config = tmp_path / "jupyter-config"
+    (config / "labconfig").mkdir(parents=True)
+    # no "would you like news?" toast, no update check: nothing may reach for the network
+    (config / "labconfig" / "page_config.json").write_text(json.dumps(
+        {"disabledExtensions": {"@jupyterlab/apputils-extension:announcements": True}}))
+    env = dict(os.environ, JUPYTER_CONFIG_DIR=str(config), JUPYTER_DATA_DIR=str(tmp_path / "jupyter-data"),
+               JUPYTER_RUNTIME_DIR=str(tmp_path / "jupyter-runtime"), IPYTHONDIR=str(tmp_path / "ipython"),
+               JUPYTERLAB_SETTINGS_DIR=str(tmp_path / "lab-settings"),
+               JUPYTERLAB_WORKSPACES_DIR=str(tmp_path / "lab-workspaces"),
+               PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    port, token = _free_port(), secrets.token_hex(16)
+    log = open(tmp_path / "jupyterlab.log", "w")
+    server = subprocess.Popen(
+        [sys.executable, "-m", "jupyterlab", "--no-browser", "--ServerApp.ip=127.0.0.1", f"--ServerApp.port={port}",
+         "--ServerApp.port_retries=0", f"--IdentityProvider.token={token}", f"--ServerApp.root_dir={root}",
+         "--LabApp.news_url=None", "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate",
+         "--LabApp.extension_manager=readonly", "--ServerApp.shutdown_no_activity_timeout=600"]
+        + (["--allow-root"] if hasattr(os, "geteuid") and os.geteuid() == 0 else []),  # CI containers run as root
+        env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 90
+        while True:
+            if server.poll() is not None:
+                pytest.fail(f"JupyterLab exited with {server.returncode}:\n{(tmp_path / 'jupyterlab.log').read_text()}")
+            try:
+                with urllib.request.urlopen(f"{base}/api/status?token={token}", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                pytest.fail(f"JupyterLab did not answer within 90 s:\n{(tmp_path / 'jupyterlab.log').read_text()}")
+            time.sleep(0.5)
+        yield base, token
+    finally:
+        server.send_signal(signal.SIGTERM)  # the server shuts its kernels down on SIGTERM
+        try:
+            server.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)  # its own session: the server and its kernels
+            server.wait(10)
+        log.close()
+
+
+def _prompt(page, index: int) -> str:
+    return page.locator(".jp-Notebook .jp-Cell").nth(index).locator(".jp-InputPrompt").inner_text().strip()
+
+
+def _sample_number(text: str) -> int:
+    match = re.search(r"sample (\d+)", text)
+    assert match, f"no 'sample N' in the panel text:\n{text}"
+    return int(match.group(1))
+
+
+def _row(text: str, name: str) -> str:
+    lines = text.splitlines()
+    for i, line in enumerate(lines):  # a row's name, bar and value may come out on one line or several
+        if line.strip() == name or line.strip().startswith(name + "\t"):
+            rest = line.strip()[len(name):].strip()
+            return rest or (lines[i + 1].strip() if i + 1 < len(lines) else "")
+    raise AssertionError(f"no {name!r} row in the panel text:\n{text}")
+
+
+def test_monitor_updates_in_a_real_jupyterlab_while_a_cell_runs(lab):
+    from playwright.sync_api import expect, sync_playwright
+
+    base, token = lab
+    ARTIFACTS.mkdir(exist_ok=True)
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
+        try:
+            page = browser.new_page(viewport={"width": 1400, "height": 1100})
+            page.set_default_timeout(60_000)
+            page.goto(f"{base}/lab/tree/{FIXTURE.name}?token={token}")
+            cells = page.locator(".jp-Notebook .jp-Cell")
+            expect(cells).to_have_count(5, timeout=90_000)
+            # the kernel must be up before "Run All" or the run waits on a kernel-selection dialog
+            expect(page.locator(".jp-Notebook-ExecutionIndicator[data-status='idle']")).to_have_count(1,
+                                                                                                      timeout=90_000)
+            for attempt in range(3):  # a click can land while the page is still settling: check it took
+                cells.nth(1).click()
+                page.locator(".lm-MenuBar-itemLabel", has_text=re.compile(r"^Run$")).click()
+                page.locator(".lm-Menu-itemLabel", has_text=re.compile(r"^Run All Cells$")).click()
+                deadline = time.monotonic() + 15
+                while _prompt(page, 1) == "[ ]:" and time.monotonic() < deadline:
+                    time.sleep(0.25)
+                if _prompt(page, 1) != "[ ]:":
+                    break
+            else:
+                pytest.fail("Run > Run All Cells did not start the notebook")
+
+            panel = page.locator(".course-device-monitor")
+            progress = page.locator(".course-training-progress")
+            expect(panel).to_be_visible(timeout=60_000)
+            expect(progress).to_be_visible(timeout=60_000)  # the training cell has started
+            expect(page.locator(".course-device-monitor", has_text="sample 2")).to_have_count(1, timeout=30_000)
+
+            reads = []
+            for _ in range(3):
+                assert _prompt(page, TRAINING_CELL) == "[*]:", "the training cell should still be running"
+                reads.append((panel.inner_text(), progress.inner_text()))
+                time.sleep(3)
+            assert _prompt(page, TRAINING_CELL) == "[*]:", "the training cell ended before the last read"
+            panel.screenshot(path=str(ARTIFACTS / "monitor_panel.png"))
+            progress.screenshot(path=str(ARTIFACTS / "training_progress.png"))
+
+            first, last = reads[0][0], reads[-1][0]
+            assert _sample_number(last) >= _sample_number(first) + 4, (first, last)  # ~1 Hz while busy
+            assert "host CPU and RAM" in first and "% of" in first
+            # a measured value, not only the status line: the fixture's cache makes the kernel's RAM grow
+            assert _row(first, "this kernel's RAM") != _row(last, "this kernel's RAM"), (first, last)
+            steps = [int(re.search(r"(\d+)/300 steps", t).group(1)) for _, t in reads]
+            assert steps[0] < steps[1] < steps[2], reads  # the progress bar moves too
+
+            # the run finishes cleanly: the monitor stops and nothing was written to stderr by a thread
+            expect(page.locator(".jp-OutputArea-output", has_text="training finished after 300 steps")
+                   ).to_have_count(1, timeout=90_000)
+            expect(panel).to_contain_text("stopped at")
+            assert page.locator(".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stderr']").count() == 0
+            page.screenshot(path=str(ARTIFACTS / "monitor_notebook.png"), full_page=True)
+        finally:
+            browser.close()
