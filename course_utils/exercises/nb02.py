@@ -1,0 +1,416 @@
+"""Exercises of notebook 02, "Inside nn.Module".
+
+02.1 a forward hook that records activation shapes (and is removed), 02.2 a submodule missing from
+`parameters()`, 02.3 buffers that move with the module, 02.4 deterministic inference (eval mode, no
+graph, mode restored), 02.5 counting trainable parameters.
+
+Checkers build their test models under `torch.random.fork_rng(devices=[])` with a fixed seed, so a check
+is reproducible and leaves the notebook's random state (and CUDA) untouched.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch import nn
+
+from .core import Exercise, Incorrect, Mistake, call, describe, register
+
+
+@contextlib.contextmanager
+def _seeded(seed: int = 0):
+    """A private CPU random state: deterministic checks that do not disturb the learner's RNG."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        yield
+
+
+def _require_module_class(answer, name: str) -> type:
+    if not (isinstance(answer, type) and issubclass(answer, nn.Module)):
+        raise Incorrect(f"{name} should be a class that subclasses nn.Module, got {describe(answer)}")
+    return answer
+
+
+def _require_function(answer, name: str):
+    if isinstance(answer, type) or not callable(answer):
+        raise Incorrect(f"{name} should be a function (written with `def {name}(...)`), got {describe(answer)}")
+    return answer
+
+
+# --- 02.1 a hook that records activation shapes ------------------------------------------------
+
+class _TwiceAct(nn.Module):
+    """Calls the same ReLU twice: the shapes list follows call order, not definition order."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(4, 6)
+        self.act = nn.ReLU()
+        self.fc2 = nn.Linear(6, 5)
+
+    def forward(self, x):
+        return self.act(self.fc2(self.act(self.fc1(x))))
+
+
+def _hooks_left(model: nn.Module) -> list[str]:
+    return [name or "(the model)" for name, m in model.named_modules()
+            if m._forward_hooks or m._forward_pre_hooks]
+
+
+def _normalise_shapes(result, label: str) -> list[tuple[str, tuple]]:
+    if not isinstance(result, list):
+        raise Incorrect(f"{label} should return a list of (name, shape) pairs, got {describe(result)}")
+    pairs = []
+    for item in result:
+        if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)
+                and isinstance(item[1], tuple)):
+            raise Incorrect(f"each item should be a (name, shape) pair such as ('0', (2, 8)), got {describe(item)}")
+        pairs.append((item[0], tuple(item[1])))
+    return pairs
+
+
+def _check_record_shapes(record_shapes):
+    _require_function(record_shapes, "record_shapes")
+    with _seeded():
+        cases = [
+            (nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Sequential(nn.Linear(8, 3), nn.Tanh())),
+             [("0", (2, 8)), ("1", (2, 8)), ("2.0", (2, 3)), ("2.1", (2, 3))],
+             [("0", (2, 4)), ("1", (2, 8)), ("2.0", (2, 8)), ("2.1", (2, 3))]),
+            (_TwiceAct(),
+             [("fc1", (2, 6)), ("act", (2, 6)), ("fc2", (2, 5)), ("act", (2, 5))],
+             [("fc1", (2, 4)), ("act", (2, 6)), ("fc2", (2, 6)), ("act", (2, 5))]),
+        ]
+        x = torch.randn(2, 4)
+    for model, expected, inputs in cases:
+        got = _normalise_shapes(call(record_shapes, model, x, name="record_shapes", check_mutation=False),
+                                "record_shapes")
+        left = _hooks_left(model)
+        if left:
+            raise Incorrect(f"after record_shapes returned, hooks are still registered on {left}: likely mistake: "
+                            "the hooks were not removed (keep each handle and call handle.remove()), so every "
+                            "later call of the model would record again")
+        if got == expected:
+            continue
+        containers = [n for n, _ in got if n == "" or any(e.startswith(n + ".") for e, _ in expected)]
+        if containers:
+            raise Incorrect(f"got {got}: likely mistake: containers were hooked too; record only leaf modules "
+                            "(modules with no children)")
+        if got == inputs:
+            raise Incorrect(f"got {got}: likely mistake: these are the input shapes; a forward hook receives "
+                            "(module, inputs, output): record output.shape")
+        raise Incorrect(f"for {type(model).__name__} and an input of shape (2, 4), expected {expected}, got {got}")
+    return "one forward hook per leaf, removed afterwards; note 'act' appears twice: hooks follow calls"
+
+
+register(Exercise(
+    id="02.1", title="A hook that records activation shapes", answer="record_shapes",
+    blank=("def record_shapes(model, x):\n"
+           "    \"\"\"Run model(x) once; return [(name, tuple(output.shape)), ...] for each leaf module call.\"\"\"\n"
+           "    raise NotImplementedError  # your code here\n"),
+    solution=("def record_shapes(model, x):\n"
+              "    \"\"\"Run model(x) once; return [(name, tuple(output.shape)), ...] for each leaf module call.\"\"\"\n"
+              "    shapes, handles = [], []\n"
+              "    for name, module in model.named_modules():\n"
+              "        if next(module.children(), None) is None:  # a leaf: no submodules\n"
+              "            def hook(mod, inputs, output, name=name):\n"
+              "                shapes.append((name, tuple(output.shape)))\n"
+              "            handles.append(module.register_forward_hook(hook))\n"
+              "    try:\n"
+              "        model(x)\n"
+              "    finally:\n"
+              "        for handle in handles:\n"
+              "            handle.remove()\n"
+              "    return shapes\n"),
+    setup="import torch\nfrom torch import nn\n",
+    checker=_check_record_shapes,
+    hints=["model.named_modules() yields (name, module) for every module, the model itself first (name '').",
+           "A leaf has no children: next(module.children(), None) is None. A forward hook is called as "
+           "hook(module, inputs, output); bind the name with a default argument (name=name).",
+           "register_forward_hook returns a handle: keep them all and call handle.remove() after model(x), "
+           "in a finally block so that an error in forward does not leave hooks behind."],
+    mistakes=[
+        Mistake("def record_shapes(model, x):\n    shapes = []\n    for name, module in model.named_modules():\n"
+                "        if next(module.children(), None) is None:\n"
+                "            module.register_forward_hook(lambda m, i, o, name=name: "
+                "shapes.append((name, tuple(o.shape))))\n    model(x)\n    return shapes\n", "not removed"),
+        Mistake("def record_shapes(model, x):\n    shapes, handles = [], []\n"
+                "    for name, module in model.named_modules():\n"
+                "        handles.append(module.register_forward_hook(lambda m, i, o, name=name: "
+                "shapes.append((name, tuple(o.shape)))))\n    model(x)\n    for h in handles:\n"
+                "        h.remove()\n    return shapes\n", "only leaf modules"),
+        Mistake("def record_shapes(model, x):\n    shapes, handles = [], []\n"
+                "    for name, module in model.named_modules():\n"
+                "        if next(module.children(), None) is None:\n"
+                "            handles.append(module.register_forward_hook(lambda m, i, o, name=name: "
+                "shapes.append((name, tuple(i[0].shape)))))\n    model(x)\n    for h in handles:\n"
+                "        h.remove()\n    return shapes\n", "input shapes"),
+    ],
+))
+
+
+# --- 02.2 a submodule missing from parameters() -----------------------------------------------
+
+def _check_mlp(MLP):
+    _require_module_class(MLP, "MLP")
+    try:
+        with _seeded():
+            model = call(MLP, [4, 8, 3], name="MLP", check_mutation=False)
+    except Incorrect as exc:
+        if "before Module.__init__() call" in str(exc):
+            raise Incorrect(f"{exc}: likely mistake: super().__init__() is missing or comes too late; it must "
+                            "run before any submodule is assigned") from None
+        raise
+    if not isinstance(model, nn.Module):
+        raise Incorrect(f"MLP([4, 8, 3]) should be an nn.Module, got {describe(model)}")
+    layers = getattr(model, "layers", None)
+    n_params = sum(p.numel() for p in model.parameters())
+    expected = 4 * 8 + 8 + 8 * 3 + 3  # two Linear layers: weights and biases
+    if isinstance(layers, (list, tuple, dict)):
+        raise Incorrect(f"self.layers is a plain Python {type(layers).__name__}, so model.parameters() holds "
+                        f"{n_params} elements instead of {expected}: likely mistake: nn.Module registers only "
+                        "modules assigned directly as attributes; wrap the layers in nn.ModuleList")
+    if not isinstance(layers, nn.Module):
+        raise Incorrect(f"self.layers should hold the Linear layers (an nn.ModuleList), got {describe(layers)}")
+    if n_params != expected:
+        raise Incorrect(f"MLP([4, 8, 3]) has {n_params} parameter elements; Linear(4, 8) and Linear(8, 3) "
+                        f"have {expected}")
+    out = call(model, torch.ones(2, 4), name="MLP([4, 8, 3])", check_mutation=False)
+    if not isinstance(out, torch.Tensor) or tuple(out.shape) != (2, 3):
+        raise Incorrect(f"MLP([4, 8, 3]) applied to a (2, 4) batch should give shape (2, 3), got {describe(out)}")
+    model.double()
+    not_moved = [n for n, p in model.named_parameters() if p.dtype != torch.float64]
+    if not_moved:
+        raise Incorrect(f".double() did not convert {not_moved}: every layer must be registered")
+    keys = sorted(model.state_dict())
+    if len(keys) != 4:
+        raise Incorrect(f"state_dict() should hold 4 tensors (2 weights, 2 biases), holds {keys}")
+    return f"parameters(), .double() and state_dict() now all see both layers ({keys})"
+
+
+_MLP_FORWARD = ("\n    def forward(self, x):\n"
+                "        for layer in self.layers[:-1]:\n"
+                "            x = torch.relu(layer(x))\n"
+                "        return self.layers[-1](x)\n")
+
+
+def _mlp(init_body: str, with_super: bool = True) -> str:
+    return ("class MLP(nn.Module):\n"
+            "    \"\"\"Linear layers of the given sizes with ReLU between them, e.g. MLP([4, 8, 3]).\"\"\"\n\n"
+            "    def __init__(self, sizes):\n"
+            + ("        super().__init__()\n" if with_super else "")
+            + init_body + _MLP_FORWARD)
+
+
+register(Exercise(
+    id="02.2", title="A submodule missing from parameters()", answer="MLP",
+    blank=_mlp("        raise NotImplementedError  # your code here: set self.layers\n"),
+    solution=_mlp("        self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in zip(sizes, sizes[1:]))\n"),
+    setup="import torch\nfrom torch import nn\n",
+    checker=_check_mlp,
+    hints=["Compare with BrokenMLP above: what type is self.layers there, and what does __setattr__ do with it?",
+           "nn.ModuleList(...) is a list that is itself a Module, so assigning it registers every layer in it."],
+    mistakes=[
+        Mistake(_mlp("        self.layers = [nn.Linear(a, b) for a, b in zip(sizes, sizes[1:])]\n"),
+                "nn.ModuleList"),
+        Mistake(_mlp("        self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in zip(sizes, sizes[1:]))\n",
+                     with_super=False), "super().__init__() is missing"),
+    ],
+))
+
+
+# --- 02.3 buffers that move with the module ---------------------------------------------------
+
+def _check_normalize(Normalize):
+    _require_module_class(Normalize, "Normalize")
+    mean, std = torch.tensor([0.5, 1.0, -2.0]), torch.tensor([2.0, 4.0, 0.5])
+    model = call(Normalize, mean, std, name="Normalize", check_mutation=False)
+    if not isinstance(model, nn.Module):
+        raise Incorrect(f"Normalize(mean, std) should be an nn.Module, got {describe(model)}")
+    x = torch.tensor([[1.0, 2.0, 3.0], [0.0, -1.0, 0.5]])
+    out = call(model, x, name="Normalize(mean, std)", check_mutation=False)
+    if not isinstance(out, torch.Tensor) or out.shape != x.shape or not torch.allclose(out, (x - mean) / std):
+        raise Incorrect(f"Normalize(mean, std)(x) should equal (x - mean) / std, got {describe(out)}")
+    params = dict(model.named_parameters())
+    buffers = dict(model.named_buffers())
+    if {"mean", "std"} & set(params):
+        raise Incorrect("mean/std are nn.Parameters: likely mistake: that makes them trainable (the optimizer "
+                        "would change them, and they show up in parameters()); register them as buffers")
+    plain = [n for n in ("mean", "std") if isinstance(vars(model).get(n), torch.Tensor)]
+    if plain:
+        raise Incorrect(f"{plain} are plain tensor attributes: likely mistake: .to(), .double() and state_dict() "
+                        "ignore those; use self.register_buffer(name, tensor)")
+    if set(buffers) != {"mean", "std"}:
+        raise Incorrect(f"the module's buffers are {sorted(buffers)}; expected exactly 'mean' and 'std'")
+    keys = set(model.state_dict())
+    if keys != {"mean", "std"}:
+        raise Incorrect(f"state_dict() holds {sorted(keys)}; mean and std should be saved with the model "
+                        "(register_buffer's default persistent=True)")
+    model.double()
+    if model.mean.dtype != torch.float64 or model.std.dtype != torch.float64:
+        raise Incorrect(f"after .double(), mean is {model.mean.dtype} and std is {model.std.dtype}; both should "
+                        "be float64")
+    model.to("meta")
+    if model.mean.device.type != "meta":
+        raise Incorrect(f"after .to('meta'), mean is on {model.mean.device}: it should move with the module")
+    return "mean and std follow .to()/.double() and are saved in state_dict(), yet are not trained"
+
+
+def _normalize(init_body: str) -> str:
+    return ("class Normalize(nn.Module):\n"
+            "    \"\"\"(x - mean) / std, with mean and std moved by .to() and saved by state_dict().\"\"\"\n\n"
+            "    def __init__(self, mean, std):\n"
+            "        super().__init__()\n"
+            + init_body
+            + "\n    def forward(self, x):\n"
+              "        return (x - self.mean) / self.std\n")
+
+
+register(Exercise(
+    id="02.3", title="Buffers that move with the module", answer="Normalize",
+    blank=_normalize("        raise NotImplementedError  # your code here\n"),
+    solution=_normalize("        self.register_buffer(\"mean\", mean)\n        self.register_buffer(\"std\", std)\n"),
+    setup="import torch\nfrom torch import nn\n",
+    checker=_check_normalize,
+    hints=["A buffer is module state that is not trained: BatchNorm's running_mean is one.",
+           "self.register_buffer(\"mean\", mean) registers it; self.mean then reads it back."],
+    mistakes=[
+        Mistake(_normalize("        self.mean = mean\n        self.std = std\n"), "register_buffer"),
+        Mistake(_normalize("        self.mean = nn.Parameter(mean)\n        self.std = nn.Parameter(std)\n"),
+                "trainable"),
+    ],
+))
+
+
+# --- 02.4 deterministic inference ---------------------------------------------------------------
+
+def _probe_model() -> nn.Module:
+    return nn.Sequential(nn.Linear(6, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Dropout(0.5), nn.Linear(16, 3))
+
+
+def _check_predict(predict):
+    _require_function(predict, "predict")
+    with _seeded():
+        model = _probe_model()
+        x = torch.randn(8, 6)
+        model.train()
+        bn = model[1]
+        stats_before = (bn.running_mean.clone(), int(bn.num_batches_tracked))
+        out = call(predict, model, x, name="predict", check_mutation=False)
+    if not isinstance(out, torch.Tensor) or tuple(out.shape) != (8, 3):
+        raise Incorrect(f"predict(model, x) should return the model's output, a tensor of shape (8, 3); got "
+                        f"{describe(out)}")
+    if int(bn.num_batches_tracked) != stats_before[1] or not torch.equal(bn.running_mean, stats_before[0]):
+        raise Incorrect("BatchNorm updated its running statistics during predict: likely mistake: the model is "
+                        "still in training mode (no_grad does not switch modes); call model.eval() first")
+    if out.requires_grad:
+        raise Incorrect("the output requires grad, so predict built an autograd graph it never uses: likely "
+                        "mistake: run the model inside `with torch.inference_mode():` (or torch.no_grad())")
+    if not model.training:
+        raise Incorrect("after predict the model is left in eval mode although it was in training mode: likely "
+                        "mistake: remember model.training first and restore it (model.train(was_training))")
+    model.eval()
+    with torch.no_grad():
+        reference = model(x)
+    if not torch.allclose(out, reference):
+        raise Incorrect("predict's output differs from the model's eval-mode output")
+    again = call(predict, model, x, name="predict", check_mutation=False)
+    if model.training:
+        raise Incorrect("predict was given a model in eval mode and left it in training mode: likely mistake: "
+                        "restore the mode the model had (model.train(was_training)), not always train()")
+    if not isinstance(again, torch.Tensor) or not torch.equal(again, out):
+        raise Incorrect("two calls of predict on the same input gave different outputs")
+    return "eval() switched Dropout and BatchNorm, inference_mode() skipped the graph, and the mode was restored"
+
+
+_PREDICT_DOC = ("def predict(model, x):\n"
+                "    \"\"\"Deterministic inference: eval mode, no autograd graph, the model's mode restored.\"\"\"\n")
+
+register(Exercise(
+    id="02.4", title="Deterministic inference", answer="predict",
+    blank=_PREDICT_DOC + "    raise NotImplementedError  # your code here\n",
+    solution=_PREDICT_DOC + ("    was_training = model.training\n"
+                             "    model.eval()\n"
+                             "    try:\n"
+                             "        with torch.inference_mode():\n"
+                             "            return model(x)\n"
+                             "    finally:\n"
+                             "        model.train(was_training)\n"),
+    setup="import torch\nfrom torch import nn\n",
+    checker=_check_predict,
+    hints=["Two independent switches: model.eval() (Dropout, BatchNorm behave for inference) and "
+           "torch.inference_mode() (no autograd graph). One does not imply the other.",
+           "Save model.training before switching, and restore it with model.train(was_training) in a finally "
+           "block."],
+    mistakes=[
+        Mistake(_PREDICT_DOC + "    with torch.no_grad():\n        return model(x)\n", "still in training mode"),
+        Mistake(_PREDICT_DOC + ("    was_training = model.training\n    model.eval()\n    out = model(x)\n"
+                                "    model.train(was_training)\n    return out\n"), "inference_mode"),
+        Mistake(_PREDICT_DOC + "    model.eval()\n    with torch.inference_mode():\n        return model(x)\n",
+                "restore it"),
+        Mistake(_PREDICT_DOC + ("    model.eval()\n    with torch.inference_mode():\n        out = model(x)\n"
+                                "    model.train()\n    return out\n"), "not always train()"),
+    ],
+))
+
+
+# --- 02.5 counting trainable parameters --------------------------------------------------------
+
+def _probe_counting_model() -> tuple[nn.Module, int]:
+    """A model with the traps: a frozen layer, buffers (BatchNorm), and a weight shared by two layers."""
+    model = nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 10))
+    model[3].weight = model[0].weight  # tied: both are the same (10, 4) Parameter
+    model[1].requires_grad_(False)     # frozen: 4*4 + 4 elements that the optimizer must not see
+    # trainable: embedding/tied weight 10*4, BatchNorm weight and bias 4 + 4, last bias 10
+    return model, 10 * 4 + 4 + 4 + 10
+
+
+def _check_count_trainable(count_trainable):
+    _require_function(count_trainable, "count_trainable")
+    with _seeded():
+        model, expected = _probe_counting_model()
+    got = call(count_trainable, model, name="count_trainable", check_mutation=False)
+    if isinstance(got, torch.Tensor) and got.numel() == 1 and not got.is_floating_point():
+        got = int(got)
+    if isinstance(got, bool) or not isinstance(got, int):
+        raise Incorrect(f"count_trainable should return an int, got {describe(got)}")
+    if got == expected:
+        simple = nn.Linear(3, 2)
+        again = call(count_trainable, simple, name="count_trainable", check_mutation=False)
+        if again != 3 * 2 + 2:
+            raise Incorrect(f"count_trainable(nn.Linear(3, 2)) returned {again!r}, expected 8")
+        return f"{expected} trainable elements: frozen layer, buffers and the second use of the tied weight excluded"
+    n_tensors = len(list(model.parameters()))
+    if got == n_tensors:
+        raise Incorrect(f"got {got}, the number of parameter tensors: likely mistake: counting tensors, not "
+                        "elements; sum p.numel()")
+    if got == sum(t.numel() for t in model.state_dict().values()):
+        raise Incorrect(f"got {got}: likely mistake: state_dict() also holds buffers (BatchNorm's running "
+                        "statistics) and lists a tied weight under both names; use model.parameters()")
+    if got == sum(p.numel() for p in model.parameters()):
+        raise Incorrect(f"got {got}: likely mistake: the frozen layer was counted; keep only parameters with "
+                        "p.requires_grad")
+    if got == sum(p.numel() for _, p in model.named_parameters(remove_duplicate=False) if p.requires_grad):
+        raise Incorrect(f"got {got}: likely mistake: the tied weight was counted twice; model.parameters() "
+                        "yields each shared parameter once")
+    raise Incorrect(f"got {got}, expected {expected} trainable parameter elements")
+
+
+_COUNT_DOC = ("def count_trainable(model):\n"
+              "    \"\"\"Trainable parameter elements; a parameter shared by two layers counts once.\"\"\"\n")
+
+register(Exercise(
+    id="02.5", title="Counting trainable parameters", answer="count_trainable",
+    blank=_COUNT_DOC + "    raise NotImplementedError  # your code here\n",
+    solution=_COUNT_DOC + "    return sum(p.numel() for p in model.parameters() if p.requires_grad)\n",
+    setup="import torch\nfrom torch import nn\n",
+    checker=_check_count_trainable,
+    hints=["p.numel() is the number of elements of a tensor; model.parameters() yields each parameter once.",
+           "A frozen parameter has p.requires_grad == False."],
+    mistakes=[
+        Mistake(_COUNT_DOC + "    return len(list(model.parameters()))\n", "tensors, not elements"),
+        Mistake(_COUNT_DOC + "    return sum(t.numel() for t in model.state_dict().values())\n", "buffers"),
+        Mistake(_COUNT_DOC + "    return sum(p.numel() for p in model.parameters())\n", "requires_grad"),
+        Mistake(_COUNT_DOC + ("    return sum(p.numel() for _, p in model.named_parameters(remove_duplicate=False)"
+                              " if p.requires_grad)\n"), "counted twice"),
+    ],
+))
