@@ -570,6 +570,38 @@ def test_byte_counts_keep_three_significant_digits(n, text):
     assert fmt_bytes(n) == text
 
 
+def _pixels(png: bytes) -> bytes:
+    import io
+
+    from PIL import Image
+    return Image.open(io.BytesIO(png)).convert("RGBA").tobytes()
+
+
+def test_line_chart_blits_and_matches_a_full_redraw():
+    series = [("a", "red"), ("b", "blue")]
+    x = list(range(50))
+    first = [[float(i % 7) for i in x], [None] * 50]
+    second = [[float(i % 5) for i in x], [3.0] * 50]
+    blitted = LineChart(series, xlim=(0, 60), ylim=(0, 10))
+    blitted.render(x, first)
+    png = blitted.render(x, second)  # the legend gains "b": one more full redraw
+    png_again = blitted.render(x, second)
+    assert blitted.full_redraws == 2
+    fresh = LineChart(series, xlim=(0, 60), ylim=(0, 10))
+    assert _pixels(fresh.render(x, second)) == _pixels(png) == _pixels(png_again)
+    assert _pixels(fresh.render(x, first)) != _pixels(png)
+
+
+def test_line_chart_axes_follow_a_falling_loss_with_few_redraws():
+    chart = LineChart([("loss", "red")])
+    losses = [2.5 * 0.995 ** i for i in range(1000)]
+    for n in range(10, 1001, 10):
+        chart.render(list(range(n)), [losses[:n]])
+    assert chart.full_redraws <= 15  # 100 renders
+    lo, hi = chart._ax.get_ylim()
+    assert lo <= min(losses) and hi >= max(losses)
+
+
 def test_line_chart_checks_its_input_and_draws_gaps():
     chart = LineChart([("a", "red"), ("b", "blue")])
     assert chart.render([0, 1, 2], [[1, None, 3], [None, None, None]]).startswith(b"\x89PNG")

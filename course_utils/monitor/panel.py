@@ -63,6 +63,7 @@ class DeviceMonitor:
         self.sampler = sampler if sampler is not None else Sampler(device=device)
         self._loop = loop.Loop(self._tick, interval, name="course_utils DeviceMonitor", on_error=self._failed)
         self.chart_interval = float(chart_interval)
+        self._history_seconds = float(history)
         self.history: deque[Snapshot] = deque(maxlen=max(2, int(history / self._loop.interval) + 1))
         self.latest: Snapshot | None = None
         self.samples = 0
@@ -148,7 +149,9 @@ class DeviceMonitor:
               [s.torch and _pct(s.torch.reserved, s.torch.total) for s in snaps],
               [s.host and s.host.cpu_percent for s in snaps],
               [s.host and _pct(s.host.ram_used, s.host.ram_total) for s in snaps]]
-        set_changed(self._image, value=self._chart.render(x, ys))
+        # the x axis widens in a few steps up to the full history, so the axes are redrawn rarely
+        span = next((w for w in (30.0, 60.0) if -x[0] <= w and w < self._history_seconds), self._history_seconds)
+        set_changed(self._image, value=self._chart.render(x, ys, xlim=(-span, 0.0)))
         set_visible(self._image, True)
 
     # --- the loop ------------------------------------------------------------------------

@@ -215,7 +215,10 @@ class TrainingProgress(Callback):
             self._chart = LineChart([("loss", "tab:blue"), ("smoothed", "tab:red")], xlabel="step",
                                     ylabel="loss", widths=[0.8, 1.8], alphas=[0.35, 1.0],
                                     legend="upper right")  # a falling loss leaves that corner empty
-        set_changed(self._image, value=self._chart.render(self.loss_steps, [self.losses, self.smoothed]))
+        xlim = None
+        if self._run_total is not None:  # the whole run's width up front: no rescaling as it proceeds
+            xlim = (min(self.loss_steps[0], self._run_first), max(self._run_total, self.loss_steps[-1]))
+        set_changed(self._image, value=self._chart.render(self.loss_steps, [self.losses, self.smoothed], xlim))
         set_visible(self._image, True)
 
     def _tick(self) -> None:
