@@ -24,7 +24,7 @@ import math
 import re
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, NamedTuple, Union
@@ -163,7 +163,7 @@ def free_memory() -> FreeMemoryReport:
     collected = gc.collect()
     emptied = []
     if torch.cuda.is_initialized():
-        torch.cuda.empty_cache()
+        torch.cuda.empty_cache()  # cudaFree inside: waits for the GPU (a sync point; fine after an OOM)
         emptied.append("cuda")
     mps = getattr(torch.backends, "mps", None)
     if mps is not None and mps.is_available():
@@ -306,9 +306,9 @@ class _TrackingMode(TorchDispatchMode):
             elif func is _LIFT_FRESH:  # torch.tensor(data): made outside the dispatcher, new all the same
                 self._track_new(out, (), {})
         elif aliased:
-            for o, a in zip(out, aliased):
+            for i, a in enumerate(aliased):
                 if not a:
-                    self._track_new(o, args, kwargs)
+                    self._track_new(out[i], args, kwargs)
 
         grown = ledger.allocated - before
         if grown > 0:
@@ -316,7 +316,8 @@ class _TrackingMode(TorchDispatchMode):
                 try:
                     self.check(grown, before)
                 except BaseException:
-                    del out  # drop the outputs that did not fit before the exception travels up
+                    # Drop the outputs that did not fit: this frame travels up with the traceback.
+                    del out
                     raise
             if ledger.note_peak() and self.on_peak is not None:
                 self.on_peak()
@@ -457,8 +458,11 @@ class SimulatedGPU:
 
     When an operator's new storages would take the total past the budget, they are dropped and a
     `SimulatedOutOfMemoryError` (a `torch.OutOfMemoryError`) is raised whose message starts with
-    "CUDA out of memory". Not counted, unlike on a real GPU: the CUDA context, cuBLAS/cuDNN
-    workspaces, kernels' internal scratch buffers, fragmentation in the caching allocator.
+    "CUDA out of memory. Tried to allocate" and says it was simulated. (The check runs right after the
+    operator, so the CPU did hold the memory for a moment; `resize_` is checked before it runs.)
+    Not counted, unlike on a real GPU: the CUDA context, cuBLAS/cuDNN workspaces, kernels' internal
+    scratch buffers, fragmentation in the caching allocator. Only operators run on this thread are
+    seen; frees are seen from any thread.
 
     Costs one Python call per operator while active (see benchmarks/bench_memory.py).
     """
@@ -584,11 +588,12 @@ class SimulatedGPU:
         if before + grown <= self.budget:
             return
         self.oom_count += 1
+        # Starts exactly like CUDA's message, so code that matches "CUDA out of memory." still does.
         raise SimulatedOutOfMemoryError(
-            f"CUDA out of memory (simulated by course_utils.memory.SimulatedGPU on the CPU; no real GPU "
-            f"was involved). Tried to allocate {format_bytes(grown)} (simulated GPU; "
+            f"CUDA out of memory. Tried to allocate {format_bytes(grown)} (simulated GPU; "
             f"{format_bytes(self.budget)} total capacity; {format_bytes(before)} already allocated; "
-            f"{format_bytes(max(self.budget - before, 0))} free).",
+            f"{format_bytes(max(self.budget - before, 0))} free). Simulated by course_utils.memory.SimulatedGPU "
+            "on the CPU: no real GPU was involved.",
             requested=grown, allocated=before, budget=self.budget)
 
     def __repr__(self) -> str:
@@ -876,7 +881,7 @@ class _Snapshot:
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer):
         self.model, self.optimizer = model, optimizer
-        copy = lambda t: t.detach().to("cpu", copy=True)  # noqa: E731
+        copy = lambda t: t.detach().to("cpu", copy=True)  # noqa: E731 - from a GPU: CPU-GPU sync point here
         self.tensors = [(t, copy(t)) for t in list(model.parameters()) + list(model.buffers())]
         params = list(dict.fromkeys(list(model.parameters()) + list(_optimizer_params(optimizer))))
         self.grads = [(p, None if p.grad is None else copy(p.grad)) for p in params]
@@ -953,18 +958,25 @@ def find_max_batch_size(make_batch_or_dataset, model: nn.Module, optimizer: torc
     if not isinstance(steps_per_trial, int) or steps_per_trial < 1:
         raise ValueError(f"steps_per_trial must be a positive int, got {steps_per_trial!r}")
     first = next(iter(model.parameters()), None)
-    dev = torch.device(device) if device is not None else (first.device if first is not None else torch.device("cpu"))
+    if device is not None:
+        dev = torch.device(device)
+    else:
+        dev = first.device if first is not None else torch.device("cpu")
     make = _batch_maker(make_batch_or_dataset, dev)
 
-    if budget is not None:
-        ctx = limit_gpu_memory(budget, dev) if dev.type == "cuda" else SimulatedGPU(budget, model=model, optimizer=optimizer)
+    if budget is None:
+        ctx = nullcontext()
+    elif dev.type == "cuda":
+        ctx = limit_gpu_memory(budget, dev)
     else:
-        ctx = _nullcontext()
+        ctx = SimulatedGPU(budget, model=model, optimizer=optimizer)
     with ctx:
         sim = active_simulated_gpu()
-        with sim.paused() if sim is not None else _nullcontext():
-            snapshot = _Snapshot(model, optimizer)
-        rng_devices = [dev.index if dev.index is not None else torch.cuda.current_device()] if dev.type == "cuda" else []
+        with sim.paused() if sim is not None else nullcontext():
+            snapshot = _Snapshot(model, optimizer)  # host copies: they would not live on the GPU
+        rng_devices = []
+        if dev.type == "cuda":
+            rng_devices = [dev.index if dev.index is not None else torch.cuda.current_device()]
         try:
             with torch.random.fork_rng(devices=rng_devices):
                 trials = _search(make, model, optimizer, loss_fn, precision, start, max_size,
@@ -981,11 +993,6 @@ def find_max_batch_size(make_batch_or_dataset, model: nn.Module, optimizer: torc
     bigger_failed = [s for s in failed if s > largest]
     chosen = max(1, int(largest * (1.0 - safety_margin)))
     return BatchSizeSearch(chosen, largest, min(bigger_failed) if bigger_failed else None, safety_margin, trials)
-
-
-@contextmanager
-def _nullcontext():
-    yield
 
 
 def _search(make, model, optimizer, loss_fn, precision, start, max_size, steps, sim, dev) -> list[Trial]:

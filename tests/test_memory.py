@@ -25,6 +25,13 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on machines without CUDA")
 
 
+OPTIMIZERS = {
+    "sgd": lambda ps: torch.optim.SGD(ps, lr=0.01),
+    "momentum": lambda ps: torch.optim.SGD(ps, lr=0.01, momentum=0.9),
+    "adam": lambda ps: torch.optim.Adam(ps, lr=1e-3),
+}
+
+
 def counted(t: torch.Tensor) -> int:
     """What a CUDA-like allocator charges for t's storage: its size rounded up to 512 bytes."""
     n = t.untyped_storage().nbytes()
@@ -111,7 +118,8 @@ def test_views_add_nothing():
     with SimulatedGPU("1MiB") as gpu:
         a = torch.randn(64, 64)
         before = gpu.memory_allocated()
-        views = [a.view(-1), a[::2], a.t(), a.detach(), a.reshape(4096), *a.split(16), a.unsqueeze(0), a.expand(2, 64, 64)]
+        views = [a.view(-1), a[::2], a.t(), a.detach(), a.reshape(4096), *a.split(16), a.unsqueeze(0),
+                 a.expand(2, 64, 64)]
         assert gpu.memory_allocated() == before == counted(a)
         assert all(v.untyped_storage()._cdata == a.untyped_storage()._cdata for v in views)
         del a
@@ -249,6 +257,26 @@ def test_gradient_accumulation_keeps_one_gradient_per_parameter():
         assert gpu.memory_allocated() == sum(counted(p) for p in model.parameters())
 
 
+@pytest.mark.parametrize("opt_name", ["sgd", "momentum", "adam"])
+def test_peak_of_a_training_step_agrees_with_pytorchs_mem_tracker(opt_name):
+    """PyTorch's own memory tracker (torch.distributed._tools.mem_tracker) as an independent oracle."""
+    mem_tracker = pytest.importorskip("torch.distributed._tools.mem_tracker")
+    torch.manual_seed(0)
+    model = SimpleCNN()
+    opt = OPTIMIZERS[opt_name](model.parameters())
+    x, y = torch.rand(32, 1, 28, 28), torch.randint(0, 10, (32,))
+    plain_step(model, opt, x, y)  # optimizer state exists: the steady-state step
+    tracker = mem_tracker.MemTracker()
+    tracker.track_external(model, opt, x, y)
+    with tracker:
+        plain_step(model, opt, x, y)
+    expected = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
+    with SimulatedGPU("1GiB", model=model, optimizer=opt, block_bytes=1) as gpu:
+        gpu.track(x, y)
+        plain_step(model, opt, x, y)
+    assert gpu.max_memory_allocated() == expected
+
+
 def test_peak_and_reset_peak():
     with SimulatedGPU("1MiB") as gpu:
         a = torch.empty(10_000)
@@ -299,8 +327,8 @@ def test_simulated_oom_is_a_torch_out_of_memory_error_with_a_cuda_like_message()
             pytest.fail("no simulated OOM")
         assert isinstance(err, torch.OutOfMemoryError) and isinstance(err, SimulatedOutOfMemoryError)
         msg = str(err)
-        assert msg.startswith("CUDA out of memory")
-        assert "simulated" in msg
+        assert msg.startswith("CUDA out of memory. Tried to allocate")  # as code written for CUDA expects
+        assert "Simulated by course_utils.memory.SimulatedGPU" in msg
         assert f"Tried to allocate {format_bytes(1_200_128)}" in msg
         assert f"{format_bytes(counted(keep))} already allocated" in msg
         assert "1.00 MiB total capacity" in msg
@@ -476,13 +504,6 @@ def test_limit_gpu_memory_caps_and_restores_on_cuda():
 
 # --- estimate_training_memory -------------------------------------------------------------------------
 
-OPTIMIZERS = {
-    "sgd": lambda ps: torch.optim.SGD(ps, lr=0.01),
-    "momentum": lambda ps: torch.optim.SGD(ps, lr=0.01, momentum=0.9),
-    "adam": lambda ps: torch.optim.Adam(ps, lr=1e-3),
-}
-
-
 @pytest.mark.parametrize("model_cls, shape, batch_size", [
     (SimpleCNN, (1, 28, 28), 32), (SimpleCNN, (1, 28, 28), 512), (CifarCNN, (3, 32, 32), 32),
     (CifarCNN, (3, 32, 32), 256),
@@ -513,8 +534,11 @@ def test_estimate_is_within_10_percent_of_the_simulated_peak(model_cls, shape, b
 def test_estimate_grows_with_batch_size_and_is_readable():
     model = SimpleCNN()
     opt = torch.optim.Adam(model.parameters())
-    small = estimate_training_memory(model, opt, (torch.rand(32, 1, 28, 28), torch.randint(0, 10, (32,))), F.cross_entropy)
-    big = estimate_training_memory(model, opt, (torch.rand(256, 1, 28, 28), torch.randint(0, 10, (256,))), F.cross_entropy)
+    def estimate(n):
+        return estimate_training_memory(model, opt, (torch.rand(n, 1, 28, 28), torch.randint(0, 10, (n,))),
+                                        F.cross_entropy)
+
+    small, big = estimate(32), estimate(256)
     assert isinstance(big, MemoryEstimate)
     assert big.activations > 4 * small.activations  # activations scale with the batch
     assert big.parameters == small.parameters and big.optimizer_state == small.optimizer_state
