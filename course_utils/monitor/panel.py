@@ -23,6 +23,7 @@ from collections import deque
 import torch
 
 from . import loop
+from .chart import LineChart
 from ._widgets import Meter, display_widget, escape, fmt_bytes, level_style, set_changed, set_visible
 from .snapshot import Sampler, Snapshot
 
@@ -68,7 +69,9 @@ class DeviceMonitor:
         self.latest: Snapshot | None = None
         self.samples = 0
         self._last_chart = float("-inf")
-        self._chart = None
+        # Made here, in the caller's thread: importing matplotlib the first time may log "building the
+        # font cache", which from the monitor thread would land in whatever cell is running.
+        self._chart = LineChart(_SERIES, xlabel="seconds ago", ylabel="%", ylim=(0, 100))
         self._build()
 
     # --- widgets -------------------------------------------------------------------------
@@ -137,10 +140,6 @@ class DeviceMonitor:
         set_visible(self._notes, bool(snap.notes))
 
     def _draw_chart(self) -> None:
-        from .chart import LineChart
-
-        if self._chart is None:
-            self._chart = LineChart(_SERIES, xlabel="seconds ago", ylabel="%", ylim=(0, 100))
         snaps = list(self.history)
         now = snaps[-1].time
         x = [s.time - now for s in snaps]

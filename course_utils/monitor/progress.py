@@ -28,6 +28,7 @@ import torch
 
 from ..trainer import Callback
 from . import loop
+from .chart import LineChart
 from ._widgets import display_widget, escape, fmt_duration, set_changed, set_visible
 
 _MAX_POINTS = 4000  # loss points kept for the curve; older ones are averaged in pairs beyond this
@@ -80,7 +81,10 @@ class TrainingProgress(Callback):
         self._start_steps = 0
         self._rate_window: deque = deque(maxlen=16)  # (time, steps) at refreshes
         self._last_chart = float("-inf")
-        self._chart = None
+        # made in the caller's thread (see DeviceMonitor): matplotlib's first import may log
+        self._chart = LineChart([("loss", "tab:blue"), ("smoothed", "tab:red")], xlabel="step", ylabel="loss",
+                                widths=[0.8, 1.8], alphas=[0.35, 1.0],
+                                legend="upper right")  # a falling loss leaves that corner empty
         self._displayed = False
         self._build()
 
@@ -209,12 +213,6 @@ class TrainingProgress(Callback):
             self._draw_chart()
 
     def _draw_chart(self) -> None:
-        from .chart import LineChart
-
-        if self._chart is None:
-            self._chart = LineChart([("loss", "tab:blue"), ("smoothed", "tab:red")], xlabel="step",
-                                    ylabel="loss", widths=[0.8, 1.8], alphas=[0.35, 1.0],
-                                    legend="upper right")  # a falling loss leaves that corner empty
         xlim = None
         if self._run_total is not None:  # the whole run's width up front: no rescaling as it proceeds
             xlim = (min(self.loss_steps[0], self._run_first), max(self._run_total, self.loss_steps[-1]))
