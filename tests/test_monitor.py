@@ -715,3 +715,33 @@ def test_import_starts_nothing_and_initialises_nothing():
                             cwd=Path(__file__).resolve().parents[1])
     assert result.returncode == 0, result.stderr
     assert result.stdout == ""
+
+
+# --- on a machine with an NVIDIA GPU (skipped here) -----------------------------------------------
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_a_real_gpu_torch_and_nvml_describe_the_same_device():
+    # in a subprocess, so this test process never initialises CUDA
+    code = textwrap.dedent("""
+        import torch
+        from course_utils.monitor import DeviceMonitor, Sampler
+        sampler = Sampler(host=False)
+        before = sampler.sample()
+        assert before.torch is None and not torch.cuda.is_initialized(), before  # sampling did not init CUDA
+        x = torch.empty(256 * 2**20, dtype=torch.uint8, device="cuda")
+        snap = sampler.sample()
+        t, g = snap.torch, snap.gpu
+        assert t.allocated >= x.numel() and t.reserved >= t.allocated and t.peak >= t.allocated, t
+        assert g is not None and g.match == "uuid", snap
+        assert g.memory_used >= t.reserved, (g, t)  # NVML counts the whole GPU, this kernel included
+        assert abs(g.memory_total - torch.cuda.get_device_properties(0).total_memory) <= 0.05 * g.memory_total
+        assert g.utilization is None or 0 <= g.utilization <= 100
+        monitor = DeviceMonitor()
+        monitor.refresh()
+        assert monitor._gpu_box.layout.display is None and monitor._torch_box.layout.display is None
+        print("ok", g.name, g.match, t.device)
+    """)
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                            cwd=Path(__file__).resolve().parents[1])
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.startswith("ok")
