@@ -877,20 +877,21 @@ def _batch_maker(source, device: torch.device) -> Callable[[int], tuple]:
 
 class _Snapshot:
     """Host copies of a model's parameters and buffers, their gradients, and an optimizer's state
-    and hyperparameters, restored in place (same tensor objects, same storages)."""
+    and hyperparameters. `restore()` writes them back in place where the tensor still exists (same
+    objects, same storages) and re-creates the rest on their original devices."""
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer):
-        self.model, self.optimizer = model, optimizer
-        copy = lambda t: t.detach().to("cpu", copy=True)  # noqa: E731 - from a GPU: CPU-GPU sync point here
-        self.tensors = [(t, copy(t)) for t in list(model.parameters()) + list(model.buffers())]
+        self.optimizer = optimizer
+        self.tensors = [(t, _host_copy(t)) for t in list(model.parameters()) + list(model.buffers())]
         params = list(dict.fromkeys(list(model.parameters()) + list(_optimizer_params(optimizer))))
-        self.grads = [(p, None if p.grad is None else copy(p.grad)) for p in params]
-        self.state = {p: {k: copy(v) if isinstance(v, torch.Tensor) else _deepcopy(v) for k, v in s.items()}
+        self.grads = [(p, None if p.grad is None else _host_copy(p.grad)) for p in params]
+        self.state = {p: {k: _SavedTensor(_host_copy(v), v.device) if isinstance(v, torch.Tensor) else _deepcopy(v)
+                          for k, v in s.items()}
                       for p, s in optimizer.state.items()}
         self.groups = [{k: _deepcopy(v) for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
 
     @torch.no_grad()
-    def restore(self) -> None:
+    def restore(self) -> None:  # host-to-device copies when on a GPU
         for t, saved in self.tensors:
             t.copy_(saved)
         for p, saved in self.grads:
@@ -899,7 +900,7 @@ class _Snapshot:
             elif p.grad is not None and p.grad.shape == saved.shape and p.grad.dtype == saved.dtype:
                 p.grad.copy_(saved)
             else:
-                p.grad = saved.to(p.device)
+                p.grad = saved.to(p.device, copy=True)
         opt_state = self.optimizer.state
         for p in list(opt_state):
             if p not in self.state:
@@ -911,15 +912,26 @@ class _Snapshot:
                     del current[k]
             for k, v in saved.items():
                 cur = current.get(k)
-                if isinstance(v, torch.Tensor):
-                    if isinstance(cur, torch.Tensor) and cur.shape == v.shape and cur.dtype == v.dtype:
-                        cur.copy_(v)
+                if isinstance(v, _SavedTensor):
+                    value, device = v
+                    if isinstance(cur, torch.Tensor) and cur.shape == value.shape and cur.dtype == value.dtype \
+                            and cur.device == device:
+                        cur.copy_(value)
                     else:
-                        current[k] = v.to(p.device) if v.dim() else v.clone()
+                        current[k] = value.to(device, copy=True)
                 else:
-                    current[k] = v
+                    current[k] = _deepcopy(v)
         for g, saved in zip(self.optimizer.param_groups, self.groups):
-            g.update(saved)
+            g.update(_deepcopy(saved))
+
+
+class _SavedTensor(NamedTuple):
+    value: torch.Tensor  # on the host
+    device: torch.device  # where it lived
+
+
+def _host_copy(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().to("cpu", copy=True)  # from a GPU: CPU-GPU sync point here
 
 
 def _deepcopy(v):

@@ -653,10 +653,13 @@ def test_find_max_batch_size_with_a_dataset_safety_margin_and_a_caller_context()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     budget = step_peak(*clone_pair(model, opt), data.images[[i % 10 for i in range(12)]], data.labels[:2].repeat(6))
     with SimulatedGPU(budget, model=model, optimizer=opt) as gpu:
+        F.cross_entropy(model(data.images[:2]), data.labels[:2]).backward()  # gradients to restore
         base = gpu.memory_allocated()
+        assert base > sum(counted(p) for p in model.parameters())
         result = find_max_batch_size(data, model, opt, F.cross_entropy, start=8, max_size=256, safety_margin=0.25,
                                      steps_per_trial=1)
-        assert gpu.memory_allocated() == base
+        assert gpu.memory_allocated() == base  # the restored gradients are counted again
+        assert gpu.breakdown().gradients == sum(counted(p.grad) for p in model.parameters())
     assert 8 <= result.largest_ok < 16
     assert result.batch_size == int(result.largest_ok * 0.75)
 
