@@ -204,6 +204,7 @@ class HostSource:
         except (AttributeError, OSError):  # not on Linux
             self._cpus = list(range(host_cpus))
         psutil.cpu_percent(percpu=True)  # prime: the next call reports the time since this one
+        self._cpu_asked = time.monotonic()
         self._last = (time.monotonic(), self._cgroup.cpu_usage_seconds())
         self._last_percent: float | None = None
 
@@ -218,9 +219,13 @@ class HostSource:
             elif used_then is None:
                 self._last = (now, used)
             return self._last_percent, quota, True
-        per_cpu = self._psutil.cpu_percent(percpu=True)
-        mine = [per_cpu[i] for i in self._cpus if i < len(per_cpu)] or per_cpu
-        return (sum(mine) / len(mine) if mine else None), float(len(self._cpus)), False
+        now = time.monotonic()
+        if now - self._cpu_asked >= 0.1:  # over a shorter span the reading is mostly noise (or 0.0)
+            self._cpu_asked = now
+            per_cpu = self._psutil.cpu_percent(percpu=True)
+            mine = [per_cpu[i] for i in self._cpus if i < len(per_cpu)] or per_cpu
+            self._last_percent = sum(mine) / len(mine) if mine else None
+        return self._last_percent, float(len(self._cpus)), False
 
     def sample(self):
         from .snapshot import HostStats

@@ -71,7 +71,7 @@ class DeviceMonitor:
         self._last_chart = float("-inf")
         # Made here, in the caller's thread: importing matplotlib the first time may log "building the
         # font cache", which from the monitor thread would land in whatever cell is running.
-        self._chart = LineChart(_SERIES, xlabel="seconds ago", ylabel="%", ylim=(0, 100))
+        self._chart = LineChart(_SERIES, xlabel="seconds ago", ylabel="%", ylim=(0, 105))  # 100 % stays visible
         self._build()
 
     # --- widgets -------------------------------------------------------------------------
