@@ -1,0 +1,589 @@
+"""Exercises of notebook 06, "Mixed precision".
+
+06.1 read an autocast dtype table: which ops autocast lowers, which follow their input, which it keeps in
+float32; 06.2 the share of gradient values that flush to zero in float16, scale first; 06.3 an fp16 training
+step with a GradScaler, checked step by step against a reference (including an overflow that must be
+skipped); 06.4 the peak memory to expect under autocast (claim 7); 06.5 a context manager that sets the
+float32 matmul precision (TF32) and restores the previous setting.
+
+Checkers build their models under `torch.random.fork_rng(devices=[])` with a fixed seed, run on the CPU
+only, and restore any global setting they touch, so a check leaves the notebook's state as it was.
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..amp import OpDtypes, underflow_fraction
+from ..memory import MemoryBreakdown
+from .core import AnswerTimeout, Exercise, Incorrect, Mistake, NotAttempted, call, describe, register
+
+_LOW = (torch.bfloat16, torch.float16)
+
+
+@contextlib.contextmanager
+def _seeded(seed: int = 0):
+    """A private CPU random state: deterministic checks that do not disturb the learner's RNG."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        yield
+
+
+def _require_function(answer: Any, name: str) -> Callable:
+    if isinstance(answer, type) or not callable(answer):
+        raise Incorrect(f"{name} should be a function (written with `def {name}(...)`), got {describe(answer)}")
+    return answer
+
+
+def _as_number(value: Any, label: str) -> float:
+    if isinstance(value, torch.Tensor):
+        raise Incorrect(f"{label} returned {describe(value)}: return a Python number (use .item() or float())")
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise Incorrect(f"{label} should return a number, got {describe(value)}")
+    if not math.isfinite(value):
+        raise Incorrect(f"{label} returned {value!r}; expected a finite number")
+    return float(value)
+
+
+# --- 06.1 reading the autocast table ---------------------------------------------------------------
+
+_ROLES = ("lowers", "follows", "float32", "refused")
+
+
+def _reference_roles(table: dict[str, OpDtypes]) -> dict[str, str]:
+    roles = {}
+    for name, (from_fp32, from_low) in table.items():
+        if from_fp32 is None or from_low is None:
+            roles[name] = "refused"
+        elif from_fp32 in _LOW:
+            roles[name] = "lowers"
+        elif from_low in _LOW:
+            roles[name] = "follows"
+        else:
+            roles[name] = "float32"
+    return roles
+
+
+def _table(low: torch.dtype, lowers: list[str], follows: list[str], fp32: list[str],
+           refused: tuple[str, ...] = ()) -> dict[str, OpDtypes]:
+    f32 = torch.float32
+    table = {}
+    for name in lowers:
+        table[name] = OpDtypes(low, low)
+    for name in follows:
+        table[name] = OpDtypes(f32, low)
+    for name in fp32:
+        table[name] = OpDtypes(f32, f32)
+    for name in refused:
+        table[name] = OpDtypes(None, low) if len(table) % 2 else OpDtypes(f32, None)
+    return table
+
+
+def _check_tables() -> list[tuple[str, dict[str, OpDtypes]]]:
+    """Tables shaped like those autocast_dtype_table measures: CPU in bf16, CUDA in fp16, one with refusals."""
+    return [
+        ("a CPU-like bfloat16 table", _table(torch.bfloat16, ["matmul", "linear", "conv2d"],
+                                             ["relu", "max_pool2d", "add", "exp", "softmax", "layer_norm"],
+                                             ["cross_entropy", "mse_loss"])),
+        ("a CUDA-like float16 table", _table(torch.float16, ["matmul", "linear", "conv2d"],
+                                             ["relu", "max_pool2d", "add"],
+                                             ["exp", "softmax", "log_softmax", "layer_norm", "sum",
+                                              "cross_entropy"])),
+        ("a table where some ops refused an input (None)", _table(torch.bfloat16, ["linear"], ["relu"],
+                                                                  ["mse_loss"], refused=("fft_r2c", "cholesky"))),
+    ]
+
+
+def _check_autocast_roles(autocast_roles):
+    _require_function(autocast_roles, "autocast_roles")
+    for label, table in _check_tables():
+        got = call(autocast_roles, table, name="autocast_roles")
+        if not isinstance(got, dict):
+            raise Incorrect(f"autocast_roles should return a dict {{op name: role}}, got {describe(got)}")
+        if set(got) != set(table):
+            raise Incorrect(f"for {label}, the keys should be the op names of the table {sorted(table)}, "
+                            f"got {sorted(map(str, got))}")
+        bad = {k: v for k, v in got.items() if v not in _ROLES}
+        if bad:
+            raise Incorrect(f"roles must be one of {_ROLES}, got {bad}")
+        expected = _reference_roles(table)
+        wrong = {k: (got[k], expected[k]) for k in table if got[k] != expected[k]}
+        if not wrong:
+            continue
+        shown = ", ".join(f"{k}: {g!r} (expected {e!r})" for k, (g, e) in sorted(wrong.items()))
+        if any(e == "refused" for _, e in wrong.values()):
+            raise Incorrect(f"for {label}: {shown}: likely mistake: a None entry means the op refused that input "
+                            "on this device; classify it as 'refused' before looking at dtypes")
+        if table["linear"].from_fp32 == torch.float16 and any(e == "lowers" for _, e in wrong.values()):
+            raise Incorrect(f"for {label}: {shown}: likely mistake: only torch.bfloat16 was treated as low "
+                            "precision; autocast uses torch.float16 on older GPUs and Apple MPS: count both")
+        if any(e == "follows" and g == "float32" for g, e in wrong.values()):
+            raise Incorrect(f"for {label}: {shown}: likely mistake: only from_fp32 was read; an op that returns "
+                            "float32 for float32 inputs still runs in low precision when it is fed low-precision "
+                            "activations (from_low): that op 'follows' its input")
+        raise Incorrect(f"for {label}: {shown}")
+    return ("lowers: matmul/linear/conv run in 16 bits even from float32 inputs; follows: elementwise ops and "
+            "pooling keep whatever dtype they get; float32: losses (and on CUDA softmax, exp, norms) are "
+            "pinned to float32")
+
+
+_ROLES_DOC = '    """{op name: "lowers" | "follows" | "float32" | "refused"} for an autocast_dtype_table."""\n'
+
+register(Exercise(
+    id="06.1", title="Read the autocast table", answer="autocast_roles",
+    blank="def autocast_roles(table):\n" + _ROLES_DOC + "    raise NotImplementedError  # your code here\n",
+    solution=("def autocast_roles(table):\n" + _ROLES_DOC
+              + "    low = (torch.bfloat16, torch.float16)\n"
+                "    roles = {}\n"
+                "    for name, (from_fp32, from_low) in table.items():\n"
+                "        if from_fp32 is None or from_low is None:\n"
+                "            roles[name] = \"refused\"\n"
+                "        elif from_fp32 in low:\n"
+                "            roles[name] = \"lowers\"     # autocast casts its float32 inputs down\n"
+                "        elif from_low in low:\n"
+                "            roles[name] = \"follows\"    # runs in whatever dtype it is given\n"
+                "        else:\n"
+                "            roles[name] = \"float32\"    # autocast casts low-precision inputs up\n"
+                "    return roles\n"),
+    setup="import torch\nfrom course_utils.amp import OpDtypes\n",
+    checker=_check_autocast_roles,
+    hints=["Each entry is OpDtypes(from_fp32, from_low): the output dtype for float32 inputs and for "
+           "low-precision inputs. Check for None first.",
+           "Low precision means torch.bfloat16 or torch.float16. 'lowers': from_fp32 is low. 'follows': from_fp32 "
+           "is float32 but from_low is low. 'float32': both are float32."],
+    mistakes=[
+        Mistake("def autocast_roles(table):\n"
+                "    return {name: (\"lowers\" if d.from_fp32 in (torch.bfloat16, torch.float16) else \"float32\")\n"
+                "            for name, d in table.items() if None not in d} | "
+                "{name: \"refused\" for name, d in table.items() if None in d}\n", "only from_fp32 was read"),
+        Mistake("def autocast_roles(table):\n"
+                "    roles = {}\n"
+                "    for name, (a, b) in table.items():\n"
+                "        if a is None or b is None:\n"
+                "            roles[name] = \"refused\"\n"
+                "        elif a == torch.bfloat16:\n"
+                "            roles[name] = \"lowers\"\n"
+                "        elif b == torch.bfloat16:\n"
+                "            roles[name] = \"follows\"\n"
+                "        else:\n"
+                "            roles[name] = \"float32\"\n"
+                "    return roles\n", "only torch.bfloat16 was treated as low"),
+        Mistake("def autocast_roles(table):\n"
+                "    low = (torch.bfloat16, torch.float16)\n"
+                "    return {name: \"lowers\" if a in low else \"follows\" if b in low else \"float32\"\n"
+                "            for name, (a, b) in table.items()}\n", "refused that input"),
+    ],
+))
+
+
+# --- 06.2 gradient values that flush to zero -------------------------------------------------------
+
+def _gradient_like() -> torch.Tensor:
+    """Magnitudes spread evenly over 1e-12 .. 1 (log scale), random signs, and a block of exact zeros."""
+    with _seeded(6):
+        mags = torch.logspace(-12, 0, 1200)
+        signs = torch.where(torch.rand(1200) < 0.5, -1.0, 1.0)
+        values = torch.cat([mags * signs, torch.zeros(600)])
+        return values[torch.randperm(len(values))]
+
+
+def _check_flushed_fraction(flushed_fraction):
+    _require_function(flushed_fraction, "flushed_fraction")
+    grads = _gradient_like()
+    nonzero = int((grads != 0).sum())
+    for scale in (1.0, 2.0 ** 10, 2.0 ** 16):
+        expected = underflow_fraction(grads, torch.float16, scale=scale)  # course_utils.amp as the oracle
+        got = _as_number(call(flushed_fraction, grads.clone(), scale, name="flushed_fraction"),
+                         f"flushed_fraction(grads, {scale:g})")
+        if abs(got - expected) <= 1e-6:  # float32 arithmetic is fine
+            continue
+        lost = expected * nonzero
+        unscaled = underflow_fraction(grads, torch.float16)
+        label = f"flushed_fraction(grads, scale={scale:g}) returned {got:.4f}, expected {expected:.4f}"
+        if abs(got - lost / grads.numel()) <= 1e-6 or abs(got - (lost + grads.numel() - nonzero) / grads.numel()) <= 1e-6:
+            raise Incorrect(f"{label}: likely mistake: the values that were zero to begin with were counted (or "
+                            "divided by); count only the nonzero values, and among them those that become 0")
+        if scale > 1 and abs(got - unscaled) <= 1e-6:
+            raise Incorrect(f"{label}: likely mistake: cast to float16 before multiplying by the scale (or the "
+                            "scale was ignored): values that already flushed to 0 stay 0; multiply in float32 "
+                            "first, then cast")
+        if got == 0.0 and expected > 0:
+            raise Incorrect(f"{label}: likely mistake: nothing flushed, as with bfloat16, which keeps float32's "
+                            "range; the question is about torch.float16")
+        raise Incorrect(label)
+    zeros = torch.zeros(5)
+    got = call(flushed_fraction, zeros, 1.0, name="flushed_fraction")
+    if isinstance(got, torch.Tensor) or isinstance(got, bool) or not isinstance(got, (int, float)) or got != 0:
+        raise Incorrect(f"for an all-zero tensor (no nonzero value at all) the answer should be 0.0, got "
+                        f"{describe(got)}: guard the division")
+    return "scaled by 2**16, every value of this spread survives the cast to float16"
+
+
+_FLUSH_SIG = ("def flushed_fraction(grads, scale=1.0):\n"
+              "    \"\"\"Of the nonzero values in `grads`, the fraction that become 0 in float16 after multiplying by\n"
+              "    `scale` (a Python float; 0.0 when there is no nonzero value).\"\"\"\n")
+
+register(Exercise(
+    id="06.2", title="How many gradients flush to zero?", answer="flushed_fraction",
+    blank=_FLUSH_SIG + "    raise NotImplementedError  # your code here\n",
+    solution=(_FLUSH_SIG
+              + "    scaled = grads.float() * scale            # scale first, in float32\n"
+                "    nonzero = scaled != 0\n"
+                "    flushed = nonzero & (scaled.half() == 0)  # then see what float16 makes of it\n"
+                "    n = int(nonzero.sum())\n"
+                "    return int(flushed.sum()) / n if n else 0.0\n"),
+    setup="import torch\n",
+    checker=_check_flushed_fraction,
+    hints=["Multiply in float32 first, then cast with .half(): a value that became 0 in float16 cannot be "
+           "brought back by scaling afterwards.",
+           "Count only values that were nonzero before the cast: (x != 0) & (x.half() == 0). Return a Python "
+           "float: int(tensor.sum()) divides like any number."],
+    mistakes=[
+        Mistake(_FLUSH_SIG + "    h = grads.half() * scale\n    nz = grads != 0\n"
+                "    return float((nz & (h == 0)).sum() / max(int(nz.sum()), 1))\n", "cast to float16 before"),
+        Mistake(_FLUSH_SIG + "    return float(((grads * scale).half() == 0).float().mean())\n",
+                "zero to begin with"),
+        Mistake(_FLUSH_SIG + "    x = grads * scale\n    nz = x != 0\n"
+                "    return float((nz & (x.bfloat16() == 0)).sum() / max(int(nz.sum()), 1))\n", "bfloat16"),
+    ],
+))
+
+
+# --- 06.3 an fp16 step with a GradScaler -----------------------------------------------------------
+
+def _tiny_model() -> nn.Module:
+    return nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3))
+
+
+def _reference_step(model, optimizer, scaler, x, y) -> torch.Tensor:
+    optimizer.zero_grad(set_to_none=True)
+    with torch.amp.autocast(x.device.type, dtype=torch.float16):
+        loss = F.cross_entropy(model(x), y)
+    scaler.scale(loss).backward()
+    scaler.step(optimizer)
+    scaler.update()
+    return loss.detach()
+
+
+def _params(model: nn.Module) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def _run_learner_step(fp16_step, model, optimizer, scaler, x, y, label: str):
+    first = model[0]
+    seen: list[torch.dtype] = []
+    handle = first.register_forward_hook(lambda m, args, out: seen.append(out.dtype))
+    try:
+        out = call(fp16_step, model, optimizer, scaler, x, y, name="fp16_step", check_mutation=False)
+    except Incorrect as exc:
+        text = str(exc)
+        cut = text.find(") raised ")
+        if text.startswith("calling fp16_step(") and cut >= 0:  # the arguments' reprs are long: name them
+            text = "fp16_step(model, optimizer, scaler, x, y)" + text[cut + 1:]
+        if "_scale is None" in text or "scaler.scale(" in text:
+            raise Incorrect(f"{text}: likely mistake: loss.backward() without scaler.scale(loss): the scaler has "
+                            "nothing to unscale; call scaler.scale(loss).backward()") from None
+        if "No inf checks were recorded" in text:
+            raise Incorrect(f"{text}: likely mistake: optimizer.step() was called directly, so the scaled gradients "
+                            "were applied and the scaler never checked them; call scaler.step(optimizer), which "
+                            "unscales first (and skips the step on inf/nan)") from None
+        if "since the last update" in text:
+            raise Incorrect(f"{text}: likely mistake: scaler.update() was not called after scaler.step(optimizer); "
+                            "without it the scale never adapts and the next step() refuses to run") from None
+        raise Incorrect(text) from None
+    finally:
+        handle.remove()
+    if seen and seen[0] != torch.float16:
+        which = "bfloat16" if seen[0] == torch.bfloat16 else str(seen[0]).removeprefix("torch.")
+        raise Incorrect(f"{label}: the first Linear layer produced {which}, expected float16: wrap the forward "
+                        "pass and the loss in torch.amp.autocast(x.device.type, dtype=torch.float16)")
+    return out
+
+
+def _check_fp16_step(fp16_step):
+    _require_function(fp16_step, "fp16_step")
+    with _seeded(3):
+        base = _tiny_model()
+        x, y = torch.randn(8, 6), torch.randint(0, 3, (8,))
+        x2, y2 = torch.randn(8, 6), torch.randint(0, 3, (8,))
+    model, ref = copy.deepcopy(base), copy.deepcopy(base)
+    opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, ref))
+    scaler, ref_scaler = (torch.amp.GradScaler("cpu", init_scale=2.0 ** 12, growth_interval=1000) for _ in "ab")
+
+    for k, (xb, yb) in enumerate([(x, y), (x2, y2)], 1):
+        before = _params(model)
+        out = _run_learner_step(fp16_step, model, opt, scaler, xb, yb, f"step {k}")
+        ref_before = _params(ref)
+        ref_loss = _reference_step(ref, ref_opt, ref_scaler, xb, yb)
+        if not isinstance(out, torch.Tensor) or out.numel() != 1:
+            raise Incorrect(f"fp16_step should return the loss, a 0-d tensor, got {describe(out)}")
+        if out.requires_grad:
+            raise Incorrect("fp16_step returned a loss that still holds the autograd graph: return loss.detach()")
+        if not torch.allclose(out.float(), ref_loss.float(), rtol=1e-3, atol=1e-4):
+            raise Incorrect(f"step {k} returned a loss of {float(out):.5f}; cross-entropy of the batch under float16 "
+                            f"autocast is {float(ref_loss):.5f}")
+        for p, q, p0, q0 in zip(model.parameters(), ref.parameters(), before, ref_before):
+            if torch.allclose(p, q, rtol=1e-4, atol=1e-6):
+                continue
+            moved, ref_moved = (p.detach() - p0).norm(), (q.detach() - q0).norm()
+            if ref_moved > 0 and moved / ref_moved > 100:
+                raise Incorrect(f"step {k} moved the weights {float(moved / ref_moved):.0f}x too far: likely "
+                                "mistake: optimizer.step() used the scaled gradients; call scaler.step(optimizer), "
+                                "which unscales them first (and skips the step on inf/nan)")
+            if k == 2:
+                raise Incorrect("step 1 matched the reference but step 2 did not: likely mistake: the gradients of "
+                                "step 1 were still there; call optimizer.zero_grad() at the start of each step")
+            raise Incorrect(f"after step {k} the weights differ from a reference fp16 step with loss scaling")
+        if scaler.get_scale() != ref_scaler.get_scale():
+            raise Incorrect(f"after step {k} the scale is {scaler.get_scale():g}, expected "
+                            f"{ref_scaler.get_scale():g}")
+
+    bad = x.clone()
+    bad[0, 0] = float("inf")  # a batch that overflows: its gradients are inf/nan, so the step must be skipped
+    before, scale_before = _params(model), scaler.get_scale()
+    _run_learner_step(fp16_step, model, opt, scaler, bad, y, "the overflow step")
+    after = _params(model)
+    if not all(torch.isfinite(p).all() for p in after):
+        raise Incorrect("a batch with an inf made the weights inf/nan: likely mistake: the step was not skipped; "
+                        "scaler.step(optimizer) checks the gradients and skips optimizer.step() on inf/nan")
+    if not all(torch.equal(a, b) for a, b in zip(before, after)):
+        raise Incorrect("a batch whose gradients overflow changed the weights; that step should be skipped "
+                        "(scaler.step(optimizer) does it)")
+    if scaler.get_scale() == scale_before:
+        raise Incorrect(f"after an overflow the scale is still {scale_before:g}: likely mistake: scaler.update() "
+                        "was not called; it halves the scale after a skipped step")
+    if scaler.get_scale() != scale_before / 2:
+        raise Incorrect(f"after an overflow the scale went from {scale_before:g} to {scaler.get_scale():g}; "
+                        "GradScaler halves it")
+    return "two steps match the reference exactly, and the overflow step was skipped with the scale halved"
+
+
+_STEP_SIG = ("def fp16_step(model, optimizer, scaler, x, y):\n"
+             "    \"\"\"One training step in float16 autocast with loss scaling; returns the loss, detached.\"\"\"\n")
+
+register(Exercise(
+    id="06.3", title="An fp16 step with a GradScaler", answer="fp16_step",
+    blank=_STEP_SIG + "    raise NotImplementedError  # your code here\n",
+    solution=(_STEP_SIG
+              + "    optimizer.zero_grad(set_to_none=True)\n"
+                "    with torch.amp.autocast(x.device.type, dtype=torch.float16):\n"
+                "        loss = F.cross_entropy(model(x), y)\n"
+                "    scaler.scale(loss).backward()  # gradients of loss * scale: small values survive float16\n"
+                "    scaler.step(optimizer)         # unscales; skips optimizer.step() if any gradient is inf/nan\n"
+                "    scaler.update()                # halves the scale after a skip, grows it after a good run\n"
+                "    return loss.detach()\n"),
+    setup="import torch\nimport torch.nn.functional as F\n",
+    checker=_check_fp16_step,
+    hints=["Four parts: zero the gradients; forward and loss inside torch.amp.autocast(x.device.type, "
+           "dtype=torch.float16); backward of the scaled loss; step and update through the scaler.",
+           "scaler.scale(loss).backward(), then scaler.step(optimizer) (not optimizer.step()), then "
+           "scaler.update()."],
+    mistakes=[
+        Mistake(_STEP_SIG + "    optimizer.zero_grad()\n"
+                "    with torch.amp.autocast(x.device.type, dtype=torch.float16):\n"
+                "        loss = F.cross_entropy(model(x), y)\n"
+                "    scaler.scale(loss).backward()\n    optimizer.step()\n    scaler.update()\n"
+                "    return loss.detach()\n", "scaled gradients"),
+        Mistake(_STEP_SIG + "    optimizer.zero_grad()\n"
+                "    with torch.amp.autocast(x.device.type, dtype=torch.float16):\n"
+                "        loss = F.cross_entropy(model(x), y)\n"
+                "    scaler.scale(loss).backward()\n    scaler.step(optimizer)\n"
+                "    return loss.detach()\n", "scaler.update() was not called"),
+        Mistake(_STEP_SIG + "    optimizer.zero_grad()\n"
+                "    with torch.amp.autocast(x.device.type, dtype=torch.float16):\n"
+                "        loss = F.cross_entropy(model(x), y)\n"
+                "    loss.backward()\n    scaler.step(optimizer)\n    scaler.update()\n"
+                "    return loss.detach()\n", "without scaler.scale(loss)"),
+        Mistake(_STEP_SIG + "    with torch.amp.autocast(x.device.type, dtype=torch.float16):\n"
+                "        loss = F.cross_entropy(model(x), y)\n"
+                "    scaler.scale(loss).backward()\n    scaler.step(optimizer)\n    scaler.update()\n"
+                "    return loss.detach()\n", "zero_grad()"),
+        Mistake(_STEP_SIG + "    optimizer.zero_grad()\n"
+                "    with torch.amp.autocast(x.device.type, dtype=torch.bfloat16):\n"
+                "        loss = F.cross_entropy(model(x), y)\n"
+                "    scaler.scale(loss).backward()\n    scaler.step(optimizer)\n    scaler.update()\n"
+                "    return loss.detach()\n", "produced bfloat16"),
+    ],
+))
+
+
+# --- 06.4 what autocast does to peak memory --------------------------------------------------------
+
+def _reference_estimate(fp32: MemoryBreakdown, activation_ratio: float) -> float:
+    return (fp32.parameters + fp32.gradients + fp32.optimizer_state + fp32.activations * activation_ratio
+            + fp32.parameters / 2)
+
+
+def _check_amp_memory(amp_memory):
+    _require_function(amp_memory, "amp_memory")
+    mib = 2 ** 20
+    cases = [  # (breakdown in float32, activation ratio): activation-heavy, parameter-heavy, in between
+        (MemoryBreakdown(parameters=2 * mib, gradients=2 * mib, optimizer_state=4 * mib, activations=100 * mib), 0.6),
+        (MemoryBreakdown(parameters=64 * mib, gradients=64 * mib, optimizer_state=128 * mib, activations=3 * mib),
+         0.5),
+        (MemoryBreakdown(parameters=10 * mib, gradients=10 * mib, optimizer_state=0, activations=40 * mib), 0.55),
+    ]
+    for fp32, ratio in cases:
+        expected = _reference_estimate(fp32, ratio)
+        label = (f"amp_memory(<parameters {fp32.parameters // mib}, gradients {fp32.gradients // mib}, optimizer "
+                 f"state {fp32.optimizer_state // mib}, activations {fp32.activations // mib} MiB>, {ratio})")
+        got = _as_number(call(amp_memory, copy.deepcopy(fp32), ratio, name="amp_memory"), label)
+        if abs(got - expected) <= 1:
+            continue
+        shown = f"{label} = {got / mib:.2f} MiB, expected {expected / mib:.2f} MiB"
+        close = lambda v: abs(got - v) <= 1  # noqa: E731
+        if close(fp32.total * ratio) or close(fp32.total * 0.5):
+            raise Incorrect(f"{shown}: likely mistake: everything was shrunk; parameters, gradients and optimizer "
+                            "state stay float32 under autocast, only activations shrink")
+        if close(expected - fp32.parameters / 2):
+            raise Incorrect(f"{shown}: likely mistake: forgot the 16-bit copies of the weights that autocast makes "
+                            "(and keeps for the backward pass): half the parameters' bytes")
+        if close(expected - fp32.parameters) or close(expected - fp32.parameters / 2 - fp32.parameters / 2):
+            raise Incorrect(f"{shown}: likely mistake: the float32 parameters do not shrink; autocast makes a "
+                            "16-bit copy next to them, it does not convert them")
+        if close(expected - fp32.activations * ratio + fp32.activations * 0.5):
+            raise Incorrect(f"{shown}: likely mistake: the activations were halved; use activation_ratio")
+        raise Incorrect(shown)
+    big = _reference_estimate(cases[1][0], cases[1][1]) / cases[1][0].total
+    return f"for a parameter-heavy step autocast even adds memory ({big:.2f}x of float32)"
+
+
+_MEM_SIG = ("def amp_memory(fp32, activation_ratio):\n"
+            "    \"\"\"Predicted peak bytes under autocast, from the float32 MemoryBreakdown of the same step.\"\"\"\n")
+
+register(Exercise(
+    id="06.4", title="What autocast does to peak memory", answer="amp_memory",
+    blank=_MEM_SIG + "    raise NotImplementedError  # your code here\n",
+    solution=(_MEM_SIG
+              + "    unchanged = fp32.parameters + fp32.gradients + fp32.optimizer_state  # all stay float32\n"
+                "    activations = fp32.activations * activation_ratio\n"
+                "    weight_copies = fp32.parameters / 2  # 16-bit copies of the weights, kept for backward\n"
+                "    return unchanged + activations + weight_copies\n"),
+    setup="from course_utils.memory import MemoryBreakdown\n",
+    checker=_check_amp_memory,
+    hints=["A MemoryBreakdown has .parameters, .gradients, .optimizer_state, .activations (bytes) and .total.",
+           "Parameters, gradients and optimizer state stay float32; activations shrink by activation_ratio; "
+           "autocast adds a 16-bit copy of every weight: half the parameters' bytes."],
+    mistakes=[
+        Mistake(_MEM_SIG + "    return fp32.total * activation_ratio\n", "everything was shrunk"),
+        Mistake(_MEM_SIG + "    return (fp32.parameters + fp32.gradients + fp32.optimizer_state\n"
+                "            + fp32.activations * activation_ratio)\n", "16-bit copies"),
+        Mistake(_MEM_SIG + "    return (fp32.parameters / 2 + fp32.gradients + fp32.optimizer_state\n"
+                "            + fp32.activations * activation_ratio)\n", "do not shrink"),
+    ],
+))
+
+
+# --- 06.5 the float32 matmul precision, set and restored -------------------------------------------
+
+class _Probe(Exception):
+    """Raised inside the learner's with-block to see whether the setting is restored on the way out."""
+
+
+def _precision() -> str:
+    try:
+        return torch.get_float32_matmul_precision()
+    except RuntimeError as exc:  # torch >= 2.9: the new fp32_precision API was used, the old getter refuses
+        raise Incorrect(f"torch.get_float32_matmul_precision() now raises ({str(exc).split(',')[0]}): likely "
+                        "mistake: the new torch.backends...fp32_precision settings were mixed with "
+                        "set_float32_matmul_precision; use set_float32_matmul_precision only") from None
+
+
+def _enter(cm: Any, label: str, probe: bool) -> str | None:
+    """Run `with cm:` (raising _Probe inside when `probe`); returns the precision seen inside."""
+    if not (hasattr(type(cm), "__enter__") and hasattr(type(cm), "__exit__")):
+        raise Incorrect(f"{label} should return a context manager (usable in a `with` statement), got "
+                        f"{describe(cm)}: likely mistake: a plain function; decorate a generator with "
+                        "@contextlib.contextmanager")
+    inside = None
+    try:
+        with cm:
+            inside = _precision()
+            if probe:
+                raise _Probe()
+    except _Probe:
+        return inside
+    except NotImplementedError:
+        raise NotAttempted() from None
+    except (AnswerTimeout, KeyboardInterrupt, Incorrect):
+        raise
+    except Exception as exc:
+        raise Incorrect(f"`with {label}:` raised {type(exc).__name__}: {exc}") from None
+    if probe:
+        raise Incorrect(f"an exception raised inside `with {label}:` did not come out: the context manager "
+                        "swallowed it; let exceptions propagate (do not return True from __exit__ or catch "
+                        "around the yield)")
+    return inside
+
+
+def _check_matmul_precision(matmul_precision):
+    _require_function(matmul_precision, "matmul_precision")
+    try:
+        original = torch.get_float32_matmul_precision()
+    except RuntimeError:
+        original = "highest"
+    try:
+        torch.set_float32_matmul_precision("high")  # not the default, so "restore the default" shows up
+        cm = call(matmul_precision, "medium", name="matmul_precision")
+        inside = _enter(cm, "matmul_precision('medium')", probe=False)
+        after = _precision()
+        if inside != "medium":
+            raise Incorrect(f"inside `with matmul_precision('medium'):` the precision was {inside!r}, expected "
+                            "'medium'")
+        if after != "high":
+            hint = (": likely mistake: restored 'highest' (the default) instead of the setting in force before "
+                    "the block ('high'); read it with torch.get_float32_matmul_precision() first"
+                    if after == "highest" else "")
+            raise Incorrect(f"after the block the precision is {after!r}, expected 'high' (the setting before)"
+                            f"{hint}")
+        torch.set_float32_matmul_precision("highest")
+        cm = call(matmul_precision, "high", name="matmul_precision")
+        _enter(cm, "matmul_precision('high')", probe=True)
+        after = _precision()
+        if after != "highest":
+            raise Incorrect(f"an exception inside the with block left the precision at {after!r} instead of "
+                            "restoring 'highest': likely mistake: the restore is skipped when the block raises; "
+                            "put it in a finally")
+    finally:
+        torch.set_float32_matmul_precision(original)
+    return "set inside, the previous value back afterwards, even when the block raises"
+
+
+_PREC_SIG = ("@contextlib.contextmanager\n"
+             "def matmul_precision(precision):\n"
+             "    \"\"\"Inside the with block, float32 matmuls use `precision`; afterwards the previous setting is "
+             "back.\"\"\"\n")
+
+register(Exercise(
+    id="06.5", title="TF32 for one block only", answer="matmul_precision",
+    blank=_PREC_SIG + "    raise NotImplementedError  # your code here\n",
+    solution=(_PREC_SIG
+              + "    previous = torch.get_float32_matmul_precision()\n"
+                "    torch.set_float32_matmul_precision(precision)\n"
+                "    try:\n"
+                "        yield\n"
+                "    finally:  # also when the block raises\n"
+                "        torch.set_float32_matmul_precision(previous)\n"),
+    setup="import contextlib\nimport torch\n",
+    checker=_check_matmul_precision,
+    hints=["Read the current value with torch.get_float32_matmul_precision() before changing it.",
+           "In a @contextlib.contextmanager generator, the code after `yield` runs when the block ends; put it in "
+           "`finally:` so that it also runs when the block raises."],
+    mistakes=[
+        Mistake(_PREC_SIG + "    torch.set_float32_matmul_precision(precision)\n    try:\n        yield\n"
+                "    finally:\n        torch.set_float32_matmul_precision(\"highest\")\n", "restored 'highest'"),
+        Mistake(_PREC_SIG + "    previous = torch.get_float32_matmul_precision()\n"
+                "    torch.set_float32_matmul_precision(precision)\n    yield\n"
+                "    torch.set_float32_matmul_precision(previous)\n", "finally"),
+        Mistake("def matmul_precision(precision):\n"
+                "    \"\"\"Inside the with block, float32 matmuls use `precision`; afterwards the previous setting "
+                "is back.\"\"\"\n    torch.set_float32_matmul_precision(precision)\n", "context manager"),
+    ],
+))
