@@ -535,6 +535,7 @@ def test_bad_intervals_are_rejected(kwargs):
 def test_panel_without_gpu_shows_host_and_says_why(no_monitors):
     monitor = DeviceMonitor(sampler=Sampler(nvml=nvml_source([], init_error=pynvml.NVMLError_LibraryNotFound())[0],
                                             torch=False))
+    time.sleep(0.15)  # a CPU reading needs a span of at least 0.1 s since the source was made
     monitor.refresh()
     assert monitor._gpu_box.layout.display == "none" and monitor._torch_box.layout.display == "none"
     assert monitor._host_box.layout.display is None
