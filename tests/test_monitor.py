@@ -674,6 +674,17 @@ def test_loss_history_is_bounded():
     assert sum(progress.losses) / len(progress.losses) == pytest.approx(values.mean().item(), rel=1e-3)
 
 
+def test_losses_waiting_without_a_running_thread_are_bounded():
+    from course_utils.monitor.progress import _MAX_PENDING
+
+    progress = TrainingProgress()
+    loss = torch.zeros(())
+    for _ in range(_MAX_PENDING + 10):
+        progress.update(loss)
+    assert len(progress._pending) == _MAX_PENDING and progress.steps == _MAX_PENDING + 10
+    assert progress._pending[0][0] == 11  # the oldest were dropped
+
+
 def test_update_validates_and_detaches():
     progress = TrainingProgress()
     with pytest.raises(ValueError, match="single number"):

@@ -32,6 +32,7 @@ from .chart import LineChart
 from ._widgets import display_widget, escape, fmt_duration, set_changed, set_visible
 
 _MAX_POINTS = 4000  # loss points kept for the curve; older ones are averaged in pairs beyond this
+_MAX_PENDING = 100_000  # losses waiting for the next refresh
 
 
 class TrainingProgress(Callback):
@@ -65,7 +66,9 @@ class TrainingProgress(Callback):
         self.smoothing = float(smoothing)
         self.auto_display = display
         self._loop = loop.Loop(self._tick, interval, name="course_utils TrainingProgress", on_error=self._failed)
-        self._pending: deque = deque()      # (step, loss) appended by the training thread
+        # (step, loss) appended by the training thread, drained by the refresh; bounded so that update()
+        # without a running thread cannot pile up tensors forever (the oldest are dropped)
+        self._pending: deque = deque(maxlen=_MAX_PENDING)
         self.steps = 0                      # steps seen by update(); only the training thread writes it
         self.loss_steps: list[float] = []   # the curve, as floats, filled by the monitor thread
         self.losses: list[float] = []
