@@ -637,7 +637,8 @@ class limit_gpu_memory:  # noqa: N801 - used like a function: `with limit_gpu_me
             raise ValueError(f"budget {format_bytes(self.budget)} is more than cuda:{index} has "
                              f"({format_bytes(total)})")
         self._index = index
-        self._previous = torch.cuda.get_per_process_memory_fraction(index)
+        get_fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)  # newer than torch 2.6
+        self._previous = float(get_fraction(index)) if get_fraction is not None else 1.0
         free_memory()  # cached blocks count against the cap: release them first
         torch.cuda.set_per_process_memory_fraction(self.budget / total, index)
         return self.budget
