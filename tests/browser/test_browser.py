@@ -33,7 +33,7 @@ ARTIFACTS = ROOT / "artifacts"
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                  "--disable-background-networking", "--disable-component-update", "--disable-sync"]
-TRAINING_CELL = 3  # index among all cells (markdown first) of the cell that trains for >= 24 s
+TRAINING_CELL = 3  # index among all cells (markdown first) of the cell that trains for >= 36 s
 
 
 def _free_port() -> int:
@@ -149,22 +149,27 @@ def test_monitor_updates_in_a_real_jupyterlab_while_a_cell_runs(lab):
             expect(progress).to_be_visible(timeout=60_000)  # the training cell has started
             expect(page.locator(".course-device-monitor", has_text="sample 2")).to_have_count(1, timeout=30_000)
 
-            reads = []
-            for _ in range(3):
-                assert _prompt(page, TRAINING_CELL) == "[*]:", "the training cell should still be running"
-                reads.append((panel.inner_text(), progress.inner_text()))
-                time.sleep(3)
-            assert _prompt(page, TRAINING_CELL) == "[*]:", "the training cell ended before the last read"
-            panel.screenshot(path=str(ARTIFACTS / "monitor_panel.png"))
-            progress.screenshot(path=str(ARTIFACTS / "training_progress.png"))
+            # read the panels while the training cell is busy: at least twice, a few seconds apart
+            reads = []  # (time, monitor text, progress text), each taken while the prompt showed [*]
+            while len(reads) < 3 and _prompt(page, TRAINING_CELL) == "[*]:":
+                at, texts = time.monotonic(), (panel.inner_text(), progress.inner_text())
+                if _prompt(page, TRAINING_CELL) != "[*]:":
+                    break  # the cell ended during the read: it does not count
+                reads.append((at, *texts))
+                if len(reads) == 2:
+                    panel.screenshot(path=str(ARTIFACTS / "monitor_panel.png"))
+                    progress.screenshot(path=str(ARTIFACTS / "training_progress.png"))
+                time.sleep(2.5)
+            assert len(reads) >= 2, f"the training cell ended before two reads while busy: {reads}"
 
-            first, last = reads[0][0], reads[-1][0]
-            assert _sample_number(last) >= _sample_number(first) + 4, (first, last)  # ~1 Hz while busy
+            (t0, first, _), (t1, last, _) = reads[0], reads[-1]
+            # the thread refreshes about once a second while the kernel is busy
+            assert _sample_number(last) >= _sample_number(first) + max(1, int(0.5 * (t1 - t0))), (first, last)
             assert "host CPU and RAM" in first and "% of" in first
             # a measured value, not only the status line: the fixture's cache makes the kernel's RAM grow
             assert _row(first, "this kernel's RAM") != _row(last, "this kernel's RAM"), (first, last)
-            steps = [int(re.search(r"(\d+)/300 steps", t).group(1)) for _, t in reads]
-            assert steps[0] < steps[1] < steps[2], reads  # the progress bar moves too
+            steps = [int(re.search(r"(\d+)/300 steps", p_text).group(1)) for _, _, p_text in reads]
+            assert steps == sorted(set(steps)), reads  # the progress bar moves too
 
             # the run finishes cleanly: the monitor stops and nothing was written to stderr by a thread
             expect(page.locator(".jp-OutputArea-output", has_text="training finished after 300 steps")
