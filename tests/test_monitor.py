@@ -356,6 +356,34 @@ def test_host_source_without_limits_measures_the_machine(tmp_path):
     assert stats.process_rss == pytest.approx(psutil.Process().memory_info().rss, rel=0.2)
 
 
+def test_host_source_made_in_one_thread_reads_correctly_in_another(tmp_path):
+    # the monitor makes its source in the notebook's thread and samples in its own; psutil.cpu_percent
+    # keeps its baseline per thread and would answer 0.0 here
+    source = HostSource(proc=tmp_path)
+    end = time.monotonic() + 0.4
+    while time.monotonic() < end:
+        pass
+    result = []
+    worker = threading.Thread(target=lambda: result.append(source.sample()))
+    worker.start()
+    worker.join()
+    assert result[0].cpu_percent >= 100.0 / result[0].cpu_count * 0.5, result[0]
+
+
+def test_busy_percent_matches_psutil():
+    import psutil
+
+    from course_utils.monitor.host import _busy_percent
+    before = psutil.cpu_times(percpu=True)
+    psutil.cpu_percent(percpu=True)
+    end = time.monotonic() + 0.3
+    while time.monotonic() < end:
+        pass
+    theirs = psutil.cpu_percent(percpu=True)
+    ours = [_busy_percent(a, b) for a, b in zip(before, psutil.cpu_times(percpu=True))]
+    assert ours == pytest.approx(theirs, abs=5.0)  # the same formula over (nearly) the same span
+
+
 def test_sampler_sources_are_optional_and_checked():
     snap = Sampler(nvml=False, torch=False, host=False).sample()
     assert (snap.gpu, snap.torch, snap.host, snap.notes) == (None, None, None, ())

@@ -182,12 +182,28 @@ def read_cgroup_limits(proc: str | os.PathLike = "/proc") -> CgroupLimits:
     return limits
 
 
+def _busy_percent(before, after) -> float:
+    """Busy share of one CPU between two psutil.cpu_times() readings, computed as psutil.cpu_percent does."""
+    def busy_total(t):
+        total = sum(t) - getattr(t, "guest", 0.0) - getattr(t, "guest_nice", 0.0)  # guest time is in user too
+        return total - t.idle - getattr(t, "iowait", 0.0), total  # waiting for I/O counts as idle
+
+    busy0, total0 = busy_total(before)
+    busy1, total1 = busy_total(after)
+    if total1 - total0 <= 0:
+        return 0.0
+    return min(100.0, max(0.0, 100.0 * (busy1 - busy0) / (total1 - total0)))
+
+
 class HostSource:
     """Samples CPU busy percent, RAM used/total and this process's resident memory.
 
     CPU: with a container CPU quota, the cgroup's CPU time over wall time, as a share of the quota;
-    otherwise psutil's per-CPU busy percent averaged over the CPUs this process may run on. psutil's
-    first cpu_percent() call has nothing to compare with and returns 0.0, so the constructor primes it.
+    otherwise the per-CPU busy share since the previous sample, averaged over the CPUs this process may
+    run on. A first reading needs a baseline: psutil.cpu_percent() returns 0.0 on its first call, and
+    since psutil 6 it keeps that baseline per calling thread, so priming it here would not prime the
+    monitor thread. So the source keeps its own baseline of psutil.cpu_times(percpu=True), taken in the
+    constructor, and computes the same busy share psutil would; any thread may sample.
     RAM: against the cgroup memory limit when one is set below the machine's RAM.
     """
 
@@ -203,7 +219,7 @@ class HostSource:
             self._cpus = sorted(os.sched_getaffinity(0))
         except (AttributeError, OSError):  # not on Linux
             self._cpus = list(range(host_cpus))
-        psutil.cpu_percent(percpu=True)  # prime: the next call reports the time since this one
+        self._cpu_times = psutil.cpu_times(percpu=True)  # the baseline ("priming")
         self._cpu_asked = time.monotonic()
         self._last = (time.monotonic(), self._cgroup.cpu_usage_seconds())
         self._last_percent: float | None = None
@@ -221,8 +237,9 @@ class HostSource:
             return self._last_percent, quota, True
         now = time.monotonic()
         if now - self._cpu_asked >= 0.1:  # over a shorter span the reading is mostly noise (or 0.0)
-            self._cpu_asked = now
-            per_cpu = self._psutil.cpu_percent(percpu=True)
+            times = self._psutil.cpu_times(percpu=True)
+            per_cpu = [_busy_percent(a, b) for a, b in zip(self._cpu_times, times)]
+            self._cpu_times, self._cpu_asked = times, now
             mine = [per_cpu[i] for i in self._cpus if i < len(per_cpu)] or per_cpu
             self._last_percent = sum(mine) / len(mine) if mine else None
         return self._last_percent, float(len(self._cpus)), False
