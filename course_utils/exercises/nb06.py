@@ -3,8 +3,8 @@
 06.1 read an autocast dtype table: which ops autocast lowers, which follow their input, which it keeps in
 float32; 06.2 the share of gradient values that flush to zero in float16, scale first; 06.3 an fp16 training
 step with a GradScaler, checked step by step against a reference (including an overflow that must be
-skipped); 06.4 the peak memory to expect under autocast (claim 7); 06.5 a context manager that sets the
-float32 matmul precision (TF32) and restores the previous setting.
+skipped); 06.4 a context manager that sets the float32 matmul precision (TF32) and restores the previous
+setting; 06.5 the peak memory to expect under autocast (claim 7).
 
 Checkers build their models under `torch.random.fork_rng(devices=[])` with a fixed seed, run on the CPU
 only, and restore any global setting they touch, so a check leaves the notebook's state as it was.
@@ -362,7 +362,7 @@ def _check_fp16_step(fp16_step):
     if scaler.get_scale() != scale_before / 2:
         raise Incorrect(f"after an overflow the scale went from {scale_before:g} to {scaler.get_scale():g}; "
                         "GradScaler halves it")
-    return "two steps match the reference exactly, and the overflow step was skipped with the scale halved"
+    return "two steps match the reference, and the overflow step was skipped with the scale halved"
 
 
 _STEP_SIG = ("def fp16_step(model, optimizer, scaler, x, y):\n"
@@ -414,74 +414,7 @@ register(Exercise(
 ))
 
 
-# --- 06.4 what autocast does to peak memory --------------------------------------------------------
-
-def _reference_estimate(fp32: MemoryBreakdown, activation_ratio: float) -> float:
-    return (fp32.parameters + fp32.gradients + fp32.optimizer_state + fp32.activations * activation_ratio
-            + fp32.parameters / 2)
-
-
-def _check_amp_memory(amp_memory):
-    _require_function(amp_memory, "amp_memory")
-    mib = 2 ** 20
-    cases = [  # (breakdown in float32, activation ratio): activation-heavy, parameter-heavy, in between
-        (MemoryBreakdown(parameters=2 * mib, gradients=2 * mib, optimizer_state=4 * mib, activations=100 * mib), 0.6),
-        (MemoryBreakdown(parameters=64 * mib, gradients=64 * mib, optimizer_state=128 * mib, activations=3 * mib),
-         0.5),
-        (MemoryBreakdown(parameters=10 * mib, gradients=10 * mib, optimizer_state=0, activations=40 * mib), 0.55),
-    ]
-    for fp32, ratio in cases:
-        expected = _reference_estimate(fp32, ratio)
-        label = (f"amp_memory(<parameters {fp32.parameters // mib}, gradients {fp32.gradients // mib}, optimizer "
-                 f"state {fp32.optimizer_state // mib}, activations {fp32.activations // mib} MiB>, {ratio})")
-        got = _as_number(call(amp_memory, copy.deepcopy(fp32), ratio, name="amp_memory"), label)
-        if abs(got - expected) <= 1:
-            continue
-        shown = f"{label} = {got / mib:.2f} MiB, expected {expected / mib:.2f} MiB"
-        close = lambda v: abs(got - v) <= 1  # noqa: E731
-        if close(fp32.total * ratio) or close(fp32.total * 0.5):
-            raise Incorrect(f"{shown}: likely mistake: everything was shrunk; parameters, gradients and optimizer "
-                            "state stay float32 under autocast, only activations shrink")
-        if close(expected - fp32.parameters / 2):
-            raise Incorrect(f"{shown}: likely mistake: forgot the 16-bit copies of the weights that autocast makes "
-                            "(and keeps for the backward pass): half the parameters' bytes")
-        if close(expected - fp32.parameters) or close(expected - fp32.parameters / 2 - fp32.parameters / 2):
-            raise Incorrect(f"{shown}: likely mistake: the float32 parameters do not shrink; autocast makes a "
-                            "16-bit copy next to them, it does not convert them")
-        if close(expected - fp32.activations * ratio + fp32.activations * 0.5):
-            raise Incorrect(f"{shown}: likely mistake: the activations were halved; use activation_ratio")
-        raise Incorrect(shown)
-    big = _reference_estimate(cases[1][0], cases[1][1]) / cases[1][0].total
-    return f"for a parameter-heavy step autocast even adds memory ({big:.2f}x of float32)"
-
-
-_MEM_SIG = ("def amp_memory(fp32, activation_ratio):\n"
-            "    \"\"\"Predicted peak bytes under autocast, from the float32 MemoryBreakdown of the same step.\"\"\"\n")
-
-register(Exercise(
-    id="06.4", title="What autocast does to peak memory", answer="amp_memory",
-    blank=_MEM_SIG + "    raise NotImplementedError  # your code here\n",
-    solution=(_MEM_SIG
-              + "    unchanged = fp32.parameters + fp32.gradients + fp32.optimizer_state  # all stay float32\n"
-                "    activations = fp32.activations * activation_ratio\n"
-                "    weight_copies = fp32.parameters / 2  # 16-bit copies of the weights, kept for backward\n"
-                "    return unchanged + activations + weight_copies\n"),
-    setup="from course_utils.memory import MemoryBreakdown\n",
-    checker=_check_amp_memory,
-    hints=["A MemoryBreakdown has .parameters, .gradients, .optimizer_state, .activations (bytes) and .total.",
-           "Parameters, gradients and optimizer state stay float32; activations shrink by activation_ratio; "
-           "autocast adds a 16-bit copy of every weight: half the parameters' bytes."],
-    mistakes=[
-        Mistake(_MEM_SIG + "    return fp32.total * activation_ratio\n", "everything was shrunk"),
-        Mistake(_MEM_SIG + "    return (fp32.parameters + fp32.gradients + fp32.optimizer_state\n"
-                "            + fp32.activations * activation_ratio)\n", "16-bit copies"),
-        Mistake(_MEM_SIG + "    return (fp32.parameters / 2 + fp32.gradients + fp32.optimizer_state\n"
-                "            + fp32.activations * activation_ratio)\n", "do not shrink"),
-    ],
-))
-
-
-# --- 06.5 the float32 matmul precision, set and restored -------------------------------------------
+# --- 06.4 the float32 matmul precision, set and restored -------------------------------------------
 
 class _Probe(Exception):
     """Raised inside the learner's with-block to see whether the setting is restored on the way out."""
@@ -562,7 +495,7 @@ _PREC_SIG = ("@contextlib.contextmanager\n"
              "back.\"\"\"\n")
 
 register(Exercise(
-    id="06.5", title="TF32 for one block only", answer="matmul_precision",
+    id="06.4", title="TF32 for one block only", answer="matmul_precision",
     blank=_PREC_SIG + "    raise NotImplementedError  # your code here\n",
     solution=(_PREC_SIG
               + "    previous = torch.get_float32_matmul_precision()\n"
@@ -585,5 +518,72 @@ register(Exercise(
         Mistake("def matmul_precision(precision):\n"
                 "    \"\"\"Inside the with block, float32 matmuls use `precision`; afterwards the previous setting "
                 "is back.\"\"\"\n    torch.set_float32_matmul_precision(precision)\n", "context manager"),
+    ],
+))
+
+
+# --- 06.5 what autocast does to peak memory --------------------------------------------------------
+
+def _reference_estimate(fp32: MemoryBreakdown, activation_ratio: float) -> float:
+    return (fp32.parameters + fp32.gradients + fp32.optimizer_state + fp32.activations * activation_ratio
+            + fp32.parameters / 2)
+
+
+def _check_amp_memory(amp_memory):
+    _require_function(amp_memory, "amp_memory")
+    mib = 2 ** 20
+    cases = [  # (breakdown in float32, activation ratio): activation-heavy, parameter-heavy, in between
+        (MemoryBreakdown(parameters=2 * mib, gradients=2 * mib, optimizer_state=4 * mib, activations=100 * mib), 0.6),
+        (MemoryBreakdown(parameters=64 * mib, gradients=64 * mib, optimizer_state=128 * mib, activations=3 * mib),
+         0.5),
+        (MemoryBreakdown(parameters=10 * mib, gradients=10 * mib, optimizer_state=0, activations=40 * mib), 0.55),
+    ]
+    for fp32, ratio in cases:
+        expected = _reference_estimate(fp32, ratio)
+        label = (f"amp_memory(<parameters {fp32.parameters // mib}, gradients {fp32.gradients // mib}, optimizer "
+                 f"state {fp32.optimizer_state // mib}, activations {fp32.activations // mib} MiB>, {ratio})")
+        got = _as_number(call(amp_memory, copy.deepcopy(fp32), ratio, name="amp_memory"), label)
+        if abs(got - expected) <= 1:
+            continue
+        shown = f"{label} = {got / mib:.2f} MiB, expected {expected / mib:.2f} MiB"
+        close = lambda v: abs(got - v) <= 1  # noqa: E731
+        if close(fp32.total * ratio) or close(fp32.total * 0.5):
+            raise Incorrect(f"{shown}: likely mistake: everything was shrunk; parameters, gradients and optimizer "
+                            "state stay float32 under autocast, only activations shrink")
+        if close(expected - fp32.parameters / 2):
+            raise Incorrect(f"{shown}: likely mistake: forgot the 16-bit copies of the weights that autocast makes "
+                            "(and keeps for the backward pass): half the parameters' bytes")
+        if close(expected - fp32.parameters) or close(expected - fp32.parameters / 2 - fp32.parameters / 2):
+            raise Incorrect(f"{shown}: likely mistake: the float32 parameters do not shrink; autocast makes a "
+                            "16-bit copy next to them, it does not convert them")
+        if close(expected - fp32.activations * ratio + fp32.activations * 0.5):
+            raise Incorrect(f"{shown}: likely mistake: the activations were halved; use activation_ratio")
+        raise Incorrect(shown)
+    big = _reference_estimate(cases[1][0], cases[1][1]) / cases[1][0].total
+    return f"for a parameter-heavy step autocast even adds memory ({big:.2f}x of float32)"
+
+
+_MEM_SIG = ("def amp_memory(fp32, activation_ratio):\n"
+            "    \"\"\"Predicted peak bytes under autocast, from the float32 MemoryBreakdown of the same step.\"\"\"\n")
+
+register(Exercise(
+    id="06.5", title="What autocast does to peak memory", answer="amp_memory",
+    blank=_MEM_SIG + "    raise NotImplementedError  # your code here\n",
+    solution=(_MEM_SIG
+              + "    unchanged = fp32.parameters + fp32.gradients + fp32.optimizer_state  # all stay float32\n"
+                "    activations = fp32.activations * activation_ratio\n"
+                "    weight_copies = fp32.parameters / 2  # 16-bit copies of the weights, kept for backward\n"
+                "    return unchanged + activations + weight_copies\n"),
+    setup="from course_utils.memory import MemoryBreakdown\n",
+    checker=_check_amp_memory,
+    hints=["A MemoryBreakdown has .parameters, .gradients, .optimizer_state, .activations (bytes) and .total.",
+           "Parameters, gradients and optimizer state stay float32; activations shrink by activation_ratio; "
+           "autocast adds a 16-bit copy of every weight: half the parameters' bytes."],
+    mistakes=[
+        Mistake(_MEM_SIG + "    return fp32.total * activation_ratio\n", "everything was shrunk"),
+        Mistake(_MEM_SIG + "    return (fp32.parameters + fp32.gradients + fp32.optimizer_state\n"
+                "            + fp32.activations * activation_ratio)\n", "16-bit copies"),
+        Mistake(_MEM_SIG + "    return (fp32.parameters / 2 + fp32.gradients + fp32.optimizer_state\n"
+                "            + fp32.activations * activation_ratio)\n", "do not shrink"),
     ],
 ))
