@@ -154,16 +154,22 @@ def _batches(data, config: LoopConfig, device: torch.device, seed: int) -> Itera
 
 
 def train_throughput(device, data, config: LoopConfig = NAIVE, *, images: int = 512, repeats: int = 3,
-                     warmup_steps: int = 2, seed: int = 0, compile_backend: str = "inductor") -> float:
+                     warmup_steps: int = 2, seed: int = 0, compile_backend: str = "inductor",
+                     batch_size: int | None = None) -> float:
     """Images per second of `CifarCNN` training (SGD with momentum) on `data` under `config`.
 
     `warmup_steps` untimed steps first (they pay for allocation, cuDNN autotuning and compilation),
     then `repeats` timed chunks of about `images` images each, every chunk ending with a synchronize;
     the figure is from the median chunk. Each call builds a fresh model, seeded with `seed`.
+    `batch_size`, if given, replaces the config's (tiny test runs use it to keep every step cheap).
     """
     device = _device(device)
     if not isinstance(config, LoopConfig):
         raise TypeError(f"config must be a LoopConfig, got {type(config).__name__}")
+    if batch_size is not None:
+        if not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+        config = replace(config, batch_size=batch_size)
     if config.pin_memory and device.type != "cuda":
         raise ValueError("pin_memory speeds up copies from the CPU to a CUDA GPU; it does nothing for "
                          f"device {device} (and needs CUDA to allocate pinned memory)")
@@ -332,8 +338,7 @@ def run_ladder(device, data, *, include_compile: bool = True, rounds: int = 1, *
 
 def batch_size_sweep(device, data, sizes=(16, 64, 256), **kwargs) -> dict[int, float]:
     """{batch size: images/s} of the `resident_data` loop (data on the device, no per-step sync)."""
-    return {int(bs): train_throughput(device, data, replace(RESIDENT, batch_size=int(bs)), **kwargs)
-            for bs in sizes}
+    return {int(bs): train_throughput(device, data, RESIDENT, batch_size=int(bs), **kwargs) for bs in sizes}
 
 
 # --- input pipelines (DataLoader workers) -----------------------------------------------------
@@ -376,8 +381,12 @@ class EpochTiming:
         return self.images / self.seconds
 
 
-def loader_epochs(loader, epochs: int = 2) -> list[EpochTiming]:
-    """Iterate `loader` for `epochs` epochs and time each: time to the first batch, and images/s."""
+def loader_epochs(loader, epochs: int = 2, device=None) -> list[EpochTiming]:
+    """Iterate `loader` for `epochs` epochs and time each: time to the first batch, and images/s.
+
+    Pass the `device` a loader's batches live on (a TensorLoader on a GPU) so that each epoch's time
+    includes the work queued there, not just its launch.
+    """
     out = []
     for _ in range(epochs):
         t0 = time.perf_counter()
@@ -386,6 +395,7 @@ def loader_epochs(loader, epochs: int = 2) -> list[EpochTiming]:
             if first is None:
                 first = time.perf_counter() - t0
             images += len(y)
+        synchronize(device)  # CPU-GPU sync point (a no-op for CPU batches)
         seconds = time.perf_counter() - t0
         if first is None:
             raise ValueError("the loader produced no batches")

@@ -1,0 +1,275 @@
+"""Exercises of notebook 04, "How fast is GPU training, really?".
+
+04.1 time an asynchronous device correctly (warm-up, synchronize, median), checked against a simulated
+GPU whose work only happens when you synchronize; 04.2 an epoch's mean loss with one CPU-GPU sync,
+counted on the loss tensors; 04.3 channels_last for a model and its input.
+"""
+from __future__ import annotations
+
+import math
+import statistics
+import time
+
+import torch
+from torch import nn
+
+from .core import Exercise, Incorrect, Mistake, call, describe, register
+
+
+def _as_seconds(value, label: str) -> float:
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        value = float(value)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise Incorrect(f"{label} should return a number of seconds, got {describe(value)}")
+    return float(value)
+
+
+# --- 04.1 timing an asynchronous device -------------------------------------------------------
+
+class _SimulatedGPU:
+    """`launch()` queues work and returns at once, like a CUDA kernel launch; `sync()` waits for the queue
+    (here: sleeps for it). Call k queues `work[k]` seconds. Records how long each sync really waited."""
+
+    def __init__(self, work: list[float]):
+        self.work = work
+        self.launches = 0
+        self.pending: list[int] = []
+        self.done: dict[int, float] = {}  # call index -> seconds its sync actually waited (alone in the queue)
+
+    def launch(self) -> None:
+        k = self.launches
+        self.launches += 1
+        self.pending.append(k)
+
+    def sync(self) -> None:
+        if not self.pending:
+            return
+        seconds = sum(self.work[k] if k < len(self.work) else self.work[-1] for k in self.pending)
+        t0 = time.perf_counter()
+        time.sleep(seconds)
+        waited = time.perf_counter() - t0
+        if len(self.pending) == 1:
+            self.done[self.pending[0]] = waited
+        self.pending.clear()
+
+
+# warm-up calls are slow (first-call costs); one timed call is an outlier that drags a mean upwards
+_WORK = [0.030, 0.030, 0.004, 0.004, 0.040, 0.004, 0.004]
+_WARMUP, _REPEATS = 2, 5
+
+
+def _check_median_time(median_time):
+    gpu = _SimulatedGPU(_WORK)
+    result = call(median_time, gpu.launch, gpu.sync, _WARMUP, _REPEATS, name="median_time", check_mutation=False)
+    seconds = _as_seconds(result, "median_time")
+    if gpu.launches == _REPEATS:
+        raise Incorrect(f"fn was called {_REPEATS} times, not warmup + repeats = {_WARMUP + _REPEATS}: likely "
+                        "mistake: the warm-up calls are missing; the first calls pay one-time costs and must not "
+                        "be timed")
+    if gpu.launches != _WARMUP + _REPEATS:
+        raise Incorrect(f"fn was called {gpu.launches} times; expected warmup + repeats = {_WARMUP + _REPEATS}")
+    if seconds < 0.001:
+        raise Incorrect(f"median_time returned {seconds * 1e6:.0f} us, but each call queues at least 4 ms of work: "
+                        "likely mistake: the clock was read before sync() returned, so you timed the launch, not "
+                        "the work. Call sync() after fn() and before reading the clock")
+    timed = [gpu.done[k] for k in range(_WARMUP, _WARMUP + _REPEATS) if k in gpu.done]
+    if len(timed) != _REPEATS:
+        raise Incorrect("each timed call should be followed by its own sync() (fn(), sync(), read the clock)")
+    median, mean = statistics.median(timed), statistics.fmean(timed)
+    if abs(seconds - mean) < abs(seconds - median):
+        raise Incorrect(f"median_time returned {seconds * 1e3:.1f} ms, close to the mean of the timed calls "
+                        f"({mean * 1e3:.1f} ms), not their median ({median * 1e3:.1f} ms): likely mistake: the mean; "
+                        "one slow call (another process, a page fault) drags it up, the median ignores it")
+    if abs(seconds - median) > 0.25 * median + 0.001:
+        raise Incorrect(f"median_time returned {seconds * 1e3:.1f} ms; the median of the timed calls was "
+                        f"{median * 1e3:.1f} ms")
+    return f"{seconds * 1e3:.0f} ms per call: warmed up, synchronized, robust to the slow outlier"
+
+
+_TIME_DOC = ("def median_time(fn, sync, warmup=2, repeats=5):\n"
+             "    \"\"\"Seconds per call of fn: warmup untimed calls, then repeats timed calls, each followed by\n"
+             "    sync() before the clock is read; return the median.\"\"\"\n")
+
+register(Exercise(
+    id="04.1", title="Timing an asynchronous device", answer="median_time",
+    blank=_TIME_DOC + "    raise NotImplementedError  # your code here\n",
+    solution=_TIME_DOC + (
+        "    for _ in range(warmup):\n"
+        "        fn()\n"
+        "    sync()\n"
+        "    times = []\n"
+        "    for _ in range(repeats):\n"
+        "        start = time.perf_counter()\n"
+        "        fn()\n"
+        "        sync()\n"
+        "        times.append(time.perf_counter() - start)\n"
+        "    return statistics.median(times)\n"),
+    setup="import statistics\nimport time\n",
+    checker=_check_median_time,
+    timeout=5.0,
+    hints=["fn() only queues the work, like a CUDA kernel launch; sync() waits until the work is done.",
+           "Read time.perf_counter() before fn() and again after sync(); collect `repeats` such times.",
+           "statistics.median(times)."],
+    mistakes=[
+        Mistake(_TIME_DOC + (
+            "    times = []\n"
+            "    for _ in range(warmup):\n"
+            "        fn()\n"
+            "    for _ in range(repeats):\n"
+            "        start = time.perf_counter()\n"
+            "        fn()\n"
+            "        times.append(time.perf_counter() - start)\n"
+            "    return statistics.median(times)\n"), "timed the launch"),
+        Mistake(_TIME_DOC + (
+            "    times = []\n"
+            "    for _ in range(repeats):\n"
+            "        start = time.perf_counter()\n"
+            "        fn()\n"
+            "        sync()\n"
+            "        times.append(time.perf_counter() - start)\n"
+            "    return statistics.median(times)\n"), "warm-up calls are missing"),
+        Mistake(_TIME_DOC + (
+            "    for _ in range(warmup):\n"
+            "        fn()\n"
+            "    sync()\n"
+            "    times = []\n"
+            "    for _ in range(repeats):\n"
+            "        start = time.perf_counter()\n"
+            "        fn()\n"
+            "        sync()\n"
+            "        times.append(time.perf_counter() - start)\n"
+            "    return sum(times) / len(times)\n"), "the mean"),
+    ],
+))
+
+
+# --- 04.2 one sync per epoch ------------------------------------------------------------------
+
+class _Watched(torch.Tensor):
+    """A tensor that counts the operations forcing its value onto the CPU (each a CPU-GPU sync on a GPU)."""
+    syncs = 0
+    _SYNCING = {torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.numpy, torch.Tensor.__float__,
+                torch.Tensor.__int__, torch.Tensor.__bool__, torch.Tensor.__index__, torch.Tensor.__repr__,
+                torch.Tensor.__format__}
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if func in cls._SYNCING:
+            _Watched.syncs += 1
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+_LOSSES = [2.25, 1.75, 1.5, 1.0, 0.5]
+
+
+def _check_epoch_mean_loss(epoch_mean_loss):
+    weight = torch.ones((), requires_grad=True)  # the losses carry a graph, as real ones do
+    calls = []
+
+    def train_step():
+        value = _LOSSES[len(calls) % len(_LOSSES)]
+        calls.append(value)
+        return (weight * value).as_subclass(_Watched)
+
+    _Watched.syncs = 0
+    result = call(epoch_mean_loss, train_step, len(_LOSSES), name="epoch_mean_loss", check_mutation=False)
+    syncs = _Watched.syncs
+    if len(calls) != len(_LOSSES):
+        raise Incorrect(f"train_step was called {len(calls)} times for steps={len(_LOSSES)}")
+    if syncs >= len(_LOSSES):
+        raise Incorrect(f"{syncs} CPU-GPU syncs for {len(_LOSSES)} steps: likely mistake: .item() (or float(), "
+                        "print) every step; keep the running sum a tensor on the device and read it once")
+    if isinstance(result, torch.Tensor):
+        raise Incorrect(f"epoch_mean_loss returned {describe(result)}: return a Python float (read it with "
+                        ".item() once, at the end)")
+    value = _as_seconds(result, "epoch_mean_loss")
+    expected = sum(_LOSSES) / len(_LOSSES)
+    if math.isclose(value, sum(_LOSSES)):
+        raise Incorrect(f"got {value}, the sum of the losses: divide by the number of steps for the mean")
+    if not math.isclose(value, expected, rel_tol=1e-6):
+        raise Incorrect(f"the mean of the losses {_LOSSES} is {expected}, got {value!r}")
+    if syncs > 1:
+        raise Incorrect(f"{syncs} syncs: one is enough (a single .item() at the end)")
+    return "the mean loss of the epoch, read with a single sync"
+
+
+_EPOCH_DOC = ("def epoch_mean_loss(train_step, steps):\n"
+              "    \"\"\"Call train_step() steps times (each returns that step's loss, a 0-d tensor on the device)\n"
+              "    and return the mean loss as a Python float, with one CPU-GPU sync at the end.\"\"\"\n")
+
+register(Exercise(
+    id="04.2", title="One sync per epoch", answer="epoch_mean_loss",
+    blank=_EPOCH_DOC + "    raise NotImplementedError  # your code here\n",
+    solution=_EPOCH_DOC + (
+        "    losses = [train_step().detach() for _ in range(steps)]\n"
+        "    return torch.stack(losses).mean().item()  # the one sync\n"),
+    setup="import torch\n",
+    checker=_check_epoch_mean_loss,
+    hints=["Adding tensors on the device queues work without waiting for it; .item() waits.",
+           "Keep the detached losses (or a running tensor sum) and call .item() once, on the mean."],
+    mistakes=[
+        Mistake(_EPOCH_DOC + "    return sum(train_step().item() for _ in range(steps)) / steps\n", "every step"),
+        Mistake(_EPOCH_DOC + "    return torch.stack([train_step().detach() for _ in range(steps)]).mean()\n",
+                "return a Python float"),
+        Mistake(_EPOCH_DOC + "    return torch.stack([train_step().detach() for _ in range(steps)]).sum().item()\n",
+                "divide by the number of steps"),
+    ],
+))
+
+
+# --- 04.3 channels_last -----------------------------------------------------------------------
+
+def _check_channels_last(to_channels_last):
+    gen = torch.Generator().manual_seed(4)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(), nn.Conv2d(4, 2, 3, padding=1))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen))
+    x = torch.randn(2, 3, 6, 6, generator=gen)
+    with torch.no_grad():
+        expected = model(x)
+    x_before = x.clone()
+    out = call(to_channels_last, model, x, name="to_channels_last", check_mutation=False)
+    if not isinstance(out, tuple) or len(out) != 2:
+        raise Incorrect(f"to_channels_last should return a pair (model, x), got {describe(out)}")
+    new_model, new_x = out
+    if not isinstance(new_model, nn.Module) or not isinstance(new_x, torch.Tensor):
+        raise Incorrect(f"expected (a module, a tensor), got ({describe(new_model)}, {describe(new_x)})")
+    if not torch.equal(x, x_before):
+        raise Incorrect("the caller's x was changed in place; return a converted copy")
+    if new_x.shape != x.shape:
+        raise Incorrect(f"the input's shape changed from {tuple(x.shape)} to {tuple(new_x.shape)}: likely mistake: "
+                        "permute() moves the dimensions; channels_last keeps the NCHW shape and changes only the "
+                        "strides (the order in memory)")
+    weight = new_model[0].weight
+    if not weight.is_contiguous(memory_format=torch.channels_last):
+        raise Incorrect("the model's convolution weights are still in the default layout: convert the model too, "
+                        "model.to(memory_format=torch.channels_last)")
+    if not new_x.is_contiguous(memory_format=torch.channels_last):
+        raise Incorrect("the input x is still in the default (NCHW) layout: convert it too, "
+                        "x.contiguous(memory_format=torch.channels_last)")
+    with torch.no_grad():
+        got = new_model(new_x)
+    if not torch.allclose(got, expected, atol=1e-5):
+        raise Incorrect("the converted model computes different outputs: convert the layout, not the values")
+    return f"same shape {tuple(new_x.shape)}, strides {new_x.stride()} instead of {x.stride()}, same outputs"
+
+
+_CL_DOC = ("def to_channels_last(model, x):\n"
+           "    \"\"\"Return (model, x) both in the channels_last memory format.\"\"\"\n")
+
+register(Exercise(
+    id="04.3", title="channels_last, for the model and its input", answer="to_channels_last",
+    blank=_CL_DOC + "    raise NotImplementedError  # your code here\n",
+    solution=_CL_DOC + "    return model.to(memory_format=torch.channels_last), x.contiguous(memory_format=torch.channels_last)\n",
+    setup="import torch\n",
+    checker=_check_channels_last,
+    hints=["Module.to accepts memory_format=...; a tensor is converted with .contiguous(memory_format=...).",
+           "Both the weights and the input must be in the new layout, or PyTorch converts back and forth."],
+    mistakes=[
+        Mistake(_CL_DOC + "    return model.to(memory_format=torch.channels_last), x\n", "input x is still"),
+        Mistake(_CL_DOC + "    return model, x.contiguous(memory_format=torch.channels_last)\n", "weights"),
+        Mistake(_CL_DOC + "    return model.to(memory_format=torch.channels_last), x.permute(0, 2, 3, 1)\n",
+                "strides"),
+    ],
+))
