@@ -16,11 +16,11 @@ from torch import nn
 from .core import Exercise, Incorrect, Mistake, call, describe, register
 
 
-def _as_seconds(value, label: str) -> float:
+def _as_number(value, label: str, what: str) -> float:
     if isinstance(value, torch.Tensor) and value.numel() == 1:
         value = float(value)
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise Incorrect(f"{label} should return a number of seconds, got {describe(value)}")
+        raise Incorrect(f"{label} should return {what}, got {describe(value)}")
     return float(value)
 
 
@@ -61,7 +61,7 @@ _WARMUP, _REPEATS = 2, 5
 def _check_median_time(median_time):
     gpu = _SimulatedGPU(_WORK)
     result = call(median_time, gpu.launch, gpu.sync, _WARMUP, _REPEATS, name="median_time", check_mutation=False)
-    seconds = _as_seconds(result, "median_time")
+    seconds = _as_number(result, "median_time", "a number of seconds")
     if gpu.launches == _REPEATS:
         raise Incorrect(f"fn was called {_REPEATS} times, not warmup + repeats = {_WARMUP + _REPEATS}: likely "
                         "mistake: the warm-up calls are missing; the first calls pay one-time costs and must not "
@@ -182,7 +182,7 @@ def _check_epoch_mean_loss(epoch_mean_loss):
     if isinstance(result, torch.Tensor):
         raise Incorrect(f"epoch_mean_loss returned {describe(result)}: return a Python float (read it with "
                         ".item() once, at the end)")
-    value = _as_seconds(result, "epoch_mean_loss")
+    value = _as_number(result, "epoch_mean_loss", "the mean loss as a number")
     expected = sum(_LOSSES) / len(_LOSSES)
     if math.isclose(value, sum(_LOSSES)):
         raise Incorrect(f"got {value}, the sum of the losses: divide by the number of steps for the mean")
