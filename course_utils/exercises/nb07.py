@@ -1,0 +1,378 @@
+"""Exercises of notebook 07, "Capstone: a Trainer".
+
+07.1 one epoch of training with a single sync, 07.2 a minimal Trainer whose __call__(epochs) returns
+the losses, 07.3 saving a checkpoint atomically, 07.4 the closing project: the CIFAR-shaped net to a
+target accuracy within a memory budget.
+"""
+from __future__ import annotations
+
+import copy
+import math
+import os
+import tempfile
+from pathlib import Path
+from unittest import mock
+
+import torch
+from torch import nn
+
+from .core import Exercise, Incorrect, Mistake, call, describe, register
+
+# --- a tiny, fixed training problem the checkers run the learner's code on ---------------------------
+
+
+def _problem(seed: int = 0, n: int = 48, batch: int = 16):
+    g = torch.Generator().manual_seed(seed)
+    x, y = torch.randn(n, 6, generator=g), torch.randint(0, 3, (n,), generator=g)
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    loader = [(x[i:i + batch], y[i:i + batch]) for i in range(0, n, batch)]
+    return model, optimizer, nn.CrossEntropyLoss(), loader
+
+
+def _reference_epoch(model, optimizer, loss_fn, loader) -> float:
+    total, count = 0.0, 0
+    for x, y in loader:
+        optimizer.zero_grad()
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        optimizer.step()
+        total += loss.item() * len(y)
+        count += len(y)
+    return total / count
+
+
+def _as_loss(value, label: str) -> float:
+    if isinstance(value, torch.Tensor):
+        raise Incorrect(f"{label} returned a tensor ({describe(value)}); return a Python float: "
+                        "call .item() once, at the end of the epoch")
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise Incorrect(f"{label} should return a float (the epoch's mean loss), got {describe(value)}")
+    return float(value)
+
+
+class _ItemCounter:
+    """Counts Tensor.item() calls while active: each one is a CPU-GPU sync on a GPU."""
+
+    def __init__(self):
+        self.count = 0
+        self._real = torch.Tensor.item
+
+    def __enter__(self):
+        counter = self
+
+        def item(tensor):
+            counter.count += 1
+            return counter._real(tensor)
+
+        self._patch = mock.patch.object(torch.Tensor, "item", item)
+        self._patch.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._patch.__exit__(*exc)
+        return False
+
+
+# --- 07.1 one epoch, one sync ----------------------------------------------------------------------
+
+def _check_train_one_epoch(train_one_epoch):
+    if not callable(train_one_epoch):
+        raise Incorrect(f"train_one_epoch should be a function, got {describe(train_one_epoch)}")
+    model, opt, loss_fn, loader = _problem()
+    ref_model, ref_opt = copy.deepcopy(model), None
+    ref_opt = torch.optim.SGD(ref_model.parameters(), lr=0.1, momentum=0.9)
+    expected = _reference_epoch(ref_model, ref_opt, loss_fn, loader)
+    with _ItemCounter() as items:
+        out = call(train_one_epoch, model, opt, loss_fn, loader, name="train_one_epoch", check_mutation=False)
+    got = _as_loss(out, "train_one_epoch")
+    weights_equal = all(torch.allclose(p, q, atol=1e-6) for p, q in zip(model.parameters(), ref_model.parameters()))
+    if all(torch.equal(p, q) for p, q in zip(model.parameters(), _problem()[0].parameters())):
+        raise Incorrect("the model's weights did not change: likely mistake: optimizer.step() is never called")
+    if not weights_equal:
+        raise Incorrect("the weights after your epoch differ from a correct loop's: likely mistake: "
+                        "optimizer.zero_grad() is missing, so gradients pile up across steps")
+    n_samples = sum(len(y) for _, y in loader)
+    if any(math.isclose(got, expected * k, rel_tol=1e-4) for k in (len(loader), n_samples)):
+        raise Incorrect(f"returned {got:.4f}, a multiple of the mean loss {expected:.4f}: likely mistake: "
+                        "the sum of the batch losses is returned instead of the mean over samples")
+    if not math.isclose(got, expected, rel_tol=1e-4, abs_tol=1e-6):
+        raise Incorrect(f"the weights are right but the returned loss is {got:.6f}, expected the epoch's mean "
+                        f"loss {expected:.6f} (batch losses weighted by batch size)")
+    if items.count > 1:
+        raise Incorrect(f"correct numbers, but .item() ran {items.count} times in one epoch: likely mistake: "
+                        "a per-step .item(), which on a GPU makes the CPU wait for every step. Sum the losses "
+                        "as tensors and call .item() once at the end")
+    return "same weights and mean loss as a correct loop, with a single sync per epoch"
+
+
+_EPOCH_HEAD = "def train_one_epoch(model, optimizer, loss_fn, loader):\n"
+_EPOCH_SOLUTION = _EPOCH_HEAD + (
+    "    total, count = torch.zeros(()), 0\n"
+    "    for x, y in loader:\n"
+    "        optimizer.zero_grad()\n"
+    "        loss = loss_fn(model(x), y)\n"
+    "        loss.backward()\n"
+    "        optimizer.step()\n"
+    "        total += loss.detach() * len(y)  # stays a tensor: no sync\n"
+    "        count += len(y)\n"
+    "    return (total / count).item()  # one sync per epoch\n")
+
+register(Exercise(
+    id="07.1", title="One epoch, one sync", answer="train_one_epoch",
+    blank=_EPOCH_HEAD + "    raise NotImplementedError  # your code here\n",
+    solution=_EPOCH_SOLUTION,
+    setup="import torch\n",
+    checker=_check_train_one_epoch,
+    hints=["The four lines of a step: zero_grad, forward + loss, backward, step.",
+           "Keep a running total as a tensor: `total += loss.detach() * len(y)`; call `.item()` once at the end.",
+           "The mean over samples is total / number of samples, not total / number of batches (the last batch "
+           "may be smaller)."],
+    mistakes=[
+        Mistake(_EPOCH_SOLUTION.replace("        optimizer.zero_grad()\n", ""), "zero_grad() is missing"),
+        Mistake(_EPOCH_SOLUTION.replace("    return (total / count).item()", "    return total.item()"),
+                "the sum of the batch losses"),
+        Mistake(_EPOCH_HEAD + "    total, count = 0.0, 0\n    for x, y in loader:\n        optimizer.zero_grad()\n"
+                "        loss = loss_fn(model(x), y)\n        loss.backward()\n        optimizer.step()\n"
+                "        total += loss.item() * len(y)\n        count += len(y)\n    return total / count\n",
+                "per-step .item()"),
+        Mistake(_EPOCH_SOLUTION.replace("        optimizer.step()\n", ""), "optimizer.step() is never called"),
+    ],
+))
+
+
+# --- 07.2 a minimal Trainer -----------------------------------------------------------------------
+
+def _check_mini_trainer(MiniTrainer):
+    if not isinstance(MiniTrainer, type):
+        raise Incorrect(f"MiniTrainer should be a class, got {describe(MiniTrainer)}")
+    model, opt, loss_fn, loader = _problem(seed=1)
+    ref_model = copy.deepcopy(model)
+    ref_opt = torch.optim.SGD(ref_model.parameters(), lr=0.1, momentum=0.9)
+    expected = [_reference_epoch(ref_model, ref_opt, loss_fn, loader) for _ in range(3)]
+    trainer = call(MiniTrainer, model, opt, loss_fn, loader, name="MiniTrainer", check_mutation=False)
+    if not callable(trainer):
+        raise Incorrect("a MiniTrainer instance is not callable: likely mistake: the training loop is in a method "
+                        "with another name; define `__call__(self, epochs)`")
+    first = call(trainer, 2, name="trainer")
+    if not isinstance(first, list):
+        raise Incorrect(f"trainer(2) should return a list of 2 losses, got {describe(first)}: likely mistake: "
+                        "returning only the last epoch's loss")
+    if len(first) != 2:
+        raise Incorrect(f"trainer(2) returned {len(first)} losses, expected one per epoch (2)")
+    losses = [_as_loss(v, "each epoch") for v in first]
+    if not all(math.isclose(a, b, rel_tol=1e-4, abs_tol=1e-6) for a, b in zip(losses, expected[:2])):
+        raise Incorrect(f"trainer(2) returned {[round(v, 5) for v in losses]}, expected "
+                        f"{[round(v, 5) for v in expected[:2]]} (the mean loss of each epoch)")
+    second = call(trainer, 1, name="trainer")
+    if not isinstance(second, list) or len(second) != 1:
+        raise Incorrect(f"trainer(1) should return a list with one loss, got {describe(second)}")
+    if not math.isclose(_as_loss(second[0], "trainer(1)"), expected[2], rel_tol=1e-4, abs_tol=1e-6):
+        raise Incorrect("the third epoch's loss is wrong: does a second call continue training the same model?")
+    history = getattr(trainer, "history", None)
+    if not isinstance(history, list) or len(history) != 3:
+        raise Incorrect(f"after trainer(2) and trainer(1), trainer.history should hold all 3 losses, got "
+                        f"{describe(history)}: likely mistake: history is reset inside __call__")
+    return "history = trainer(epochs): a training run as a callable object"
+
+
+_MINI_HEAD = ("class MiniTrainer:\n"
+              "    def __init__(self, model, optimizer, loss_fn, loader):\n"
+              "        self.model, self.optimizer, self.loss_fn, self.loader = model, optimizer, loss_fn, loader\n"
+              "        self.history = []\n\n")
+_MINI_SOLUTION = _MINI_HEAD + (
+    "    def __call__(self, epochs):\n"
+    "        losses = [train_one_epoch(self.model, self.optimizer, self.loss_fn, self.loader)\n"
+    "                  for _ in range(epochs)]\n"
+    "        self.history += losses\n"
+    "        return losses\n")
+
+register(Exercise(
+    id="07.2", title="A Trainer you call", answer="MiniTrainer",
+    blank=_MINI_HEAD + "    def __call__(self, epochs):\n        raise NotImplementedError  # your code here\n",
+    solution=_MINI_SOLUTION,
+    setup="import torch\n" + _EPOCH_SOLUTION,
+    checker=_check_mini_trainer,
+    hints=["Reuse your train_one_epoch from exercise 07.1, once per epoch.",
+           "Return the list of this call's losses, and also append them to self.history."],
+    mistakes=[
+        Mistake(_MINI_HEAD.replace("        self.history = []\n", "") + (
+            "    def __call__(self, epochs):\n        self.history = []\n        for _ in range(epochs):\n"
+            "            self.history.append(train_one_epoch(self.model, self.optimizer, self.loss_fn, self.loader))\n"
+            "        return self.history\n"), "history is reset inside __call__"),
+        Mistake(_MINI_HEAD + "    def __call__(self, epochs):\n        for _ in range(epochs):\n"
+                "            loss = train_one_epoch(self.model, self.optimizer, self.loss_fn, self.loader)\n"
+                "        return loss\n", "returning only the last epoch's loss"),
+        Mistake(_MINI_HEAD + "    def fit(self, epochs):\n"
+                "        return [train_one_epoch(self.model, self.optimizer, self.loss_fn, self.loader)\n"
+                "                for _ in range(epochs)]\n", "with another name"),
+    ],
+))
+
+
+# --- 07.3 atomic checkpoint -----------------------------------------------------------------------
+
+class _Crash(Exception):
+    pass
+
+
+def _check_save_atomically(save_atomically):
+    if not callable(save_atomically):
+        raise Incorrect(f"save_atomically should be a function, got {describe(save_atomically)}")
+    real_save = torch.save
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "ckpt.pt"
+        call(save_atomically, {"w": torch.arange(3.0)}, path, name="save_atomically", check_mutation=False)
+        if not path.exists():
+            raise Incorrect("nothing was written at `path`")
+        try:
+            loaded = torch.load(path, weights_only=True)
+        except Exception as exc:
+            raise Incorrect(f"the file at `path` cannot be loaded with torch.load: {type(exc).__name__}") from None
+        if not (isinstance(loaded, dict) and torch.equal(loaded.get("w", torch.zeros(0)), torch.arange(3.0))):
+            raise Incorrect(f"torch.load(path) gave {describe(loaded)}, not the object that was saved")
+        if sorted(os.listdir(folder)) != ["ckpt.pt"]:
+            raise Incorrect(f"the folder holds {sorted(os.listdir(folder))} after a successful save: likely "
+                            "mistake: the temporary file is copied instead of renamed (os.replace)")
+
+        def crashing_save(obj, f, *args, **kwargs):  # the disk fills up half-way through the write
+            if hasattr(f, "write"):
+                f.write(b"PK\x03\x04 half a checkpoint")
+            else:
+                Path(f).write_bytes(b"PK\x03\x04 half a checkpoint")
+            raise _Crash("disk full")
+
+        with mock.patch.object(torch, "save", crashing_save):
+            try:
+                save_atomically({"w": torch.ones(3)}, path)
+            except _Crash:
+                pass
+            except Exception as exc:
+                raise Incorrect(f"when the write fails, save_atomically raised {type(exc).__name__}: {exc}; let "
+                                "the original error through") from None
+        try:
+            after = torch.load(path, weights_only=True)
+        except Exception:
+            raise Incorrect("a write that failed half-way destroyed the previous checkpoint: likely mistake: "
+                            "writing straight to `path`; write a temporary file in the same folder, then "
+                            "os.replace it onto `path`") from None
+        if not torch.equal(after["w"], torch.arange(3.0)):
+            raise Incorrect("after a failed write the checkpoint holds something else than the previous save")
+        left = sorted(set(os.listdir(folder)) - {"ckpt.pt"})
+        if left:
+            raise Incorrect(f"a failed write left {left} behind: likely mistake: the temporary file is not "
+                            "removed when saving fails (try/except, then os.remove)")
+    assert torch.save is real_save
+    return "a crash mid-write leaves the previous checkpoint intact and no litter behind"
+
+
+_SAVE_HEAD = "def save_atomically(obj, path):\n"
+_SAVE_SOLUTION = _SAVE_HEAD + (
+    "    path = Path(path)\n"
+    "    tmp = path.with_name(path.name + \".tmp\")\n"
+    "    try:\n"
+    "        torch.save(obj, tmp)\n"
+    "        os.replace(tmp, path)  # atomic: readers see the old file or the new one, never half of one\n"
+    "    except BaseException:\n"
+    "        if tmp.exists():\n"
+    "            tmp.unlink()\n"
+    "        raise\n")
+
+register(Exercise(
+    id="07.3", title="A checkpoint that is never half-written", answer="save_atomically",
+    blank=_SAVE_HEAD + "    raise NotImplementedError  # your code here\n",
+    solution=_SAVE_SOLUTION,
+    setup="import os\nimport shutil\nfrom pathlib import Path\n\nimport torch\n",
+    checker=_check_save_atomically,
+    hints=["Write to a temporary file next to `path` (same folder, so the rename stays on one disk).",
+           "`os.replace(tmp, path)` swaps the new file in atomically; if saving fails, delete the temporary file "
+           "and re-raise."],
+    mistakes=[
+        Mistake(_SAVE_HEAD + "    torch.save(obj, path)\n", "writing straight to `path`"),
+        Mistake(_SAVE_HEAD + "    tmp = Path(str(path) + '.tmp')\n    torch.save(obj, tmp)\n    os.replace(tmp, path)\n",
+                "not removed when saving fails"),
+        Mistake(_SAVE_HEAD + "    tmp = Path(str(path) + '.tmp')\n    torch.save(obj, tmp)\n"
+                "    shutil.copy(tmp, path)\n", "copied instead of renamed"),
+    ],
+))
+
+
+# --- 07.4 the closing project ---------------------------------------------------------------------
+
+PROJECT_BUDGET = 24 * 2**20   # the simulated GPU memory the project must fit in
+PROJECT_ACCURACY = 0.60       # on held-out synthetic CIFAR-shaped images
+
+
+def _check_project(answer):
+    from ..data import synthetic_cifar
+    from ..memory import SimulatedGPU, format_bytes
+
+    if not (isinstance(answer, tuple) and len(answer) == 2):
+        raise Incorrect(f"expected the pair (model, gpu), got {describe(answer)}")
+    model, gpu = answer
+    if not isinstance(model, nn.Module):
+        raise Incorrect(f"the first item should be your trained nn.Module, got {describe(model)}")
+    if not isinstance(gpu, SimulatedGPU):
+        raise Incorrect(f"the second item should be the SimulatedGPU you trained inside, got {describe(gpu)}")
+    if gpu.budget > PROJECT_BUDGET:
+        raise Incorrect(f"your SimulatedGPU has a budget of {format_bytes(gpu.budget)}; the project allows "
+                        f"{format_bytes(PROJECT_BUDGET)}: likely mistake: a bigger budget than allowed")
+    peak = gpu.max_memory_allocated()
+    if peak == 0:
+        raise Incorrect("the SimulatedGPU recorded no memory use: train inside `with gpu:`")
+    test = synthetic_cifar(2000, seed=123)
+    device = next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    with torch.no_grad():
+        try:
+            logits = model(test.images.to(device))
+        except Exception as exc:
+            raise Incorrect(f"running your model on 3x32x32 images raised {type(exc).__name__}: {exc}") from None
+    model.train(was_training)
+    if not isinstance(logits, torch.Tensor) or logits.shape != (2000, 10):
+        raise Incorrect(f"the model should output 10 logits per image, got {describe(logits)}")
+    accuracy = (logits.argmax(1).cpu() == test.labels).float().mean().item()
+    if accuracy < PROJECT_ACCURACY:
+        raise Incorrect(f"held-out accuracy {accuracy:.1%} is below the target {PROJECT_ACCURACY:.0%}: likely "
+                        "mistake: too few epochs or samples, or a learning rate far off (Adam at 1e-3 is a good "
+                        "start)")
+    return (f"held-out accuracy {accuracy:.1%} with a peak of {format_bytes(peak)} "
+            f"in a {format_bytes(gpu.budget)} budget")
+
+
+register(Exercise(
+    id="07.4", title="Project: accuracy within a memory budget", answer="project",
+    blank="project = ...  # (model, gpu) after training\n",
+    solution=(
+        "torch.manual_seed(0)\n"
+        "model = CifarCNN()\n"
+        "optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)\n"
+        "loader = TensorLoader.from_dataset(synthetic_cifar(4000, seed=0), batch_size=32)\n"
+        "trainer = Trainer(model, optimizer, nn.CrossEntropyLoss(), loader, device=\"cpu\")\n"
+        "# Every step of the run needs the same memory, so one step inside the budget proves the run fits\n"
+        "# (and the first step is the one that creates Adam's state, so it is the largest).\n"
+        "with SimulatedGPU(\"24MiB\", model=model, optimizer=optimizer) as gpu:\n"
+        "    inputs, targets = next(iter(loader))\n"
+        "    trainer.train_step(inputs, targets)\n"
+        "trainer(2)\n"
+        "project = (model, gpu)\n"),
+    setup=("import torch\nfrom torch import nn\n\nfrom course_utils import Trainer\n"
+           "from course_utils.data import TensorLoader, synthetic_cifar\nfrom course_utils.memory import SimulatedGPU\n"
+           "from course_utils.models import CifarCNN\n"),
+    checker=_check_project,
+    timeout=60,
+    hints=["Train `CifarCNN` with `course_utils.Trainer`, and run its first step "
+           "(`trainer.train_step(inputs, targets)`) inside `with SimulatedGPU(\"24MiB\", model=model, "
+           "optimizer=optimizer) as gpu:`: every step needs the same memory, so if one fits, the run fits.",
+           "4000 synthetic images, batches of 32 and 2 epochs of Adam at lr 1e-3 usually reach the target; "
+           "if not, train another epoch (call the trainer again). If a batch does not fit the budget, use a smaller batch."],
+    mistakes=[
+        Mistake("project = (CifarCNN(), SimulatedGPU('24MiB'))\n", "recorded no memory use"),
+        Mistake("model = CifarCNN()\nwith SimulatedGPU('24MiB', model=model) as gpu:\n"
+                "    model(torch.zeros(2, 3, 32, 32))\nproject = (model, gpu)\n", "below the target"),
+        Mistake("model = CifarCNN()\nwith SimulatedGPU('1GiB', model=model) as gpu:\n"
+                "    model(torch.zeros(2, 3, 32, 32))\nproject = (model, gpu)\n", "a bigger budget than allowed"),
+    ],
+))
