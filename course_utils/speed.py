@@ -139,18 +139,24 @@ def _check_data(data, batch_size: int) -> None:
 
 
 def _batches(data, config: LoopConfig, device: torch.device, seed: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """Endless (inputs, targets) on `device`, reshuffled every pass; copies happen as batches are drawn."""
+    """Endless (inputs, targets) on `device`, reshuffled every pass. Resident data is copied to the device
+    here, once; DataLoader batches are copied as they are drawn, inside the timed steps."""
     if config.resident:
         loader = TensorLoader(data.images, data.labels, batch_size=config.batch_size, device=device,
-                              drop_last=True, seed=seed)  # copied to the device once, here
-        while True:
-            yield from loader
+                              drop_last=True, seed=seed)
+        return _cycle(loader, None, False)
     loader = DataLoader(data, batch_size=config.batch_size, shuffle=True, drop_last=True, num_workers=0,
                         pin_memory=config.pin_memory, generator=torch.Generator().manual_seed(seed))
+    return _cycle(loader, device, config.pin_memory)
+
+
+def _cycle(loader, device: torch.device | None, non_blocking: bool) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     while True:
         for x, y in loader:
-            # blocking copies unless the batch is pinned; from pinned memory the copy overlaps compute
-            yield x.to(device, non_blocking=config.pin_memory), y.to(device, non_blocking=config.pin_memory)
+            if device is not None:
+                # blocking copies unless the batch is pinned; from pinned memory the copy overlaps compute
+                x, y = x.to(device, non_blocking=non_blocking), y.to(device, non_blocking=non_blocking)
+            yield x, y
 
 
 def train_throughput(device, data, config: LoopConfig = NAIVE, *, images: int = 512, repeats: int = 3,
