@@ -120,6 +120,8 @@ class TrainingProgress(Callback):
         except TypeError:  # a loader without a length
             self._steps_per_epoch = None
         self.steps = trainer.global_step
+        if getattr(trainer, "epochs_this_call", None):  # course_utils.Trainer says how many epochs this call runs
+            self.epochs = trainer.epochs_this_call
         if self.auto_display and not self._displayed:
             self.show()
         self.start()
