@@ -336,15 +336,21 @@ def run_ladder(device, data, *, include_compile: bool = True, rounds: int = 1, *
                     raise
                 result.errors[rung.name] = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:300]}"
     for rung in todo:
-        values = sorted(samples[rung.name])
-        if values:
-            result.images_per_s[rung.name] = values[len(values) // 2]
+        if samples[rung.name]:
+            result.images_per_s[rung.name] = statistics.median(samples[rung.name])
     return result
 
 
-def batch_size_sweep(device, data, sizes=(16, 64, 256), **kwargs) -> dict[int, float]:
-    """{batch size: images/s} of the `resident_data` loop (data on the device, no per-step sync)."""
-    return {int(bs): train_throughput(device, data, RESIDENT, batch_size=int(bs), **kwargs) for bs in sizes}
+def batch_size_sweep(device, data, sizes=(16, 64, 256), *, rounds: int = 1, **kwargs) -> dict[int, float]:
+    """{batch size: images/s} of the `resident_data` loop (data on the device, no per-step sync).
+
+    With `rounds` > 1 the sizes are measured in alternation and each keeps its median (see `run_ladder`).
+    """
+    samples: dict[int, list[float]] = {int(bs): [] for bs in sizes}
+    for _ in range(rounds):
+        for bs in samples:
+            samples[bs].append(train_throughput(device, data, RESIDENT, batch_size=bs, **kwargs))
+    return {bs: statistics.median(values) for bs, values in samples.items()}
 
 
 # --- input pipelines (DataLoader workers) -----------------------------------------------------

@@ -136,7 +136,7 @@ def test_a_failing_compile_is_reported_not_raised(cifar):
 
 
 def test_batch_size_sweep(cifar):
-    sweep = speed.batch_size_sweep("cpu", cifar, (2, 8), images=8, repeats=1, warmup_steps=0)
+    sweep = speed.batch_size_sweep("cpu", cifar, (2, 8), rounds=2, images=8, repeats=1, warmup_steps=0)
     assert list(sweep) == [2, 8] and all(v > 0 for v in sweep.values())
 
 
