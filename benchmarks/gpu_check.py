@@ -19,6 +19,7 @@ with `@section("name")`. Sections run in the order they are defined; one that fa
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import shutil
@@ -205,6 +206,21 @@ def setup_training(ctx: Context) -> dict:
     run(steps).item()  # CPU-GPU sync point: waits for every queued step
     seconds = time.perf_counter() - t0
     return {"images_per_s": steps * 64 / seconds, "steps": steps, "batch_size": 64}
+
+
+def _sibling(name: str):
+    """Import benchmarks/<name>.py, next to this script, however this script was loaded."""
+    spec = importlib.util.spec_from_file_location(f"_gpu_check_{name}", Path(__file__).with_name(f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses and pickling look modules up by name
+    spec.loader.exec_module(module)
+    return module
+
+
+@section("amp")
+def amp(ctx: Context) -> dict:
+    """Notebook 06: mixed-precision step time and peak memory per mode (benchmarks/gpu_amp.py)."""
+    return _sibling("gpu_amp").run(ctx.device, quick=ctx.dry_run)
 
 
 # --- running ----------------------------------------------------------------------------------

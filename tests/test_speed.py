@@ -238,7 +238,7 @@ def test_gpu_check_dry_run_writes_every_section_and_reports_notebooks(tmp_path):
     assert report["dry_run"] is True and report["stamp"]["device"] == "cpu" and report["errors"] == {}
     assert report["notebooks"] == {"01_fine": "ok", "02_broken": "cell 1: ValueError: broken on purpose",
                                    "03_expected_error": "ok"}
-    for name in ("matmul", "cpu_vs_gpu", "batch_size", "speed_ladder", "transfers", "setup_training"):
+    for name in ("matmul", "cpu_vs_gpu", "batch_size", "speed_ladder", "transfers", "setup_training", "amp"):
         ref = load_reference(name, output)  # what the notebooks read
         assert ref is not None and ref["stamp"]["date"], name
     matmul = load_reference("matmul", output)["figures"]
