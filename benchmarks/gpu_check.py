@@ -223,6 +223,49 @@ def amp(ctx: Context) -> dict:
     return _sibling("gpu_amp").run(ctx.device, quick=ctx.dry_run)
 
 
+@section("monitor")
+def monitor(ctx: Context) -> dict:
+    """Notebooks 00 and 07: which NVML fields this GPU reports, and that the monitor sees allocations."""
+    import dataclasses
+
+    from course_utils.monitor import Sampler
+
+    dev = ctx.device
+    if dev.type == "cuda":
+        torch.cuda.init()
+    sampler = Sampler(device=dev.index if dev.type == "cuda" else None)
+    before = sampler.sample()
+    nbytes = (1 << 20) if ctx.dry_run else (1 << 30)
+    block = torch.empty(nbytes // 4, device=dev)  # float32: nbytes of device memory
+    synchronize(dev)
+    during = sampler.sample()
+    del block
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+    after = sampler.sample()
+
+    def torch_bytes(snap, field_name):
+        return getattr(snap.torch, field_name) if snap.torch is not None else None
+
+    result = {
+        "nvml_fields": ({f.name: getattr(during.gpu, f.name) is not None for f in dataclasses.fields(during.gpu)}
+                        if during.gpu is not None else None),
+        "gpu": dataclasses.asdict(during.gpu) if during.gpu is not None else None,
+        "allocated_before": torch_bytes(before, "allocated"),
+        "allocated_during": torch_bytes(during, "allocated"),
+        "allocated_after": torch_bytes(after, "allocated"),
+        "reserved_after_empty_cache": torch_bytes(after, "reserved"),
+        "notes": list(during.notes),
+    }
+    if dev.type == "cuda":
+        # what must hold on a GPU: the allocator figures rise by the tensor's size and fall back after del
+        result["allocation_seen"] = (result["allocated_during"] - result["allocated_before"]) >= nbytes
+        result["release_seen"] = result["allocated_after"] <= result["allocated_before"]
+        if not (result["allocation_seen"] and result["release_seen"]):
+            raise AssertionError(f"the monitor did not see a {nbytes} byte allocation come and go: {result}")
+    return result
+
+
 # --- running ----------------------------------------------------------------------------------
 
 def _error_text(exc: BaseException) -> str:
