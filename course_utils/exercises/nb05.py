@@ -1,0 +1,708 @@
+"""Exercises of notebook 05, "Memory and out-of-memory recovery".
+
+05.1 predict the bytes of parameters, gradients and optimizer state (claim 6), checked against what a
+`SimulatedGPU` counts during a real training step; 05.2 read a CUDA out-of-memory message: fragmentation,
+other processes, or a step that is simply too big; 05.3 a training step that survives the OOM (the retry
+runs after the `except` block), checked on a `SimulatedGPU` against the full-batch update; 05.4 find the
+leak that keeps memory high after recovery; 05.5 the largest batch that fits, from a memory model that is
+affine in the batch size; 05.6 a gradient-accumulation loop whose last, shorter group still counts (claim 12).
+
+Checkers build their models under a private random state (`torch.random.fork_rng`), run on the CPU only
+and never leave a `SimulatedGPU` active, so a check leaves the notebook's state as it was.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..memory import SimulatedGPU, format_bytes
+from .core import Exercise, Incorrect, Mistake, call, describe, register
+
+
+@contextlib.contextmanager
+def _seeded(seed: int = 0) -> Iterator[None]:
+    """A private CPU random state: deterministic checks that do not disturb the learner's RNG."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        yield
+
+
+def _require_function(answer: Any, name: str) -> Callable:
+    if isinstance(answer, type) or not callable(answer):
+        raise Incorrect(f"{name} should be a function (written with `def {name}(...)`), got {describe(answer)}")
+    return answer
+
+
+def _mlp(width: int = 64, depth: int = 3, inputs: int = 32, seed: int = 0) -> nn.Sequential:
+    """A small ReLU MLP (inputs -> width x depth -> 10) without BatchNorm: micro-batches give the same update."""
+    with _seeded(seed):
+        layers: list[nn.Module] = [nn.Linear(inputs, width), nn.ReLU()]
+        for _ in range(depth - 1):
+            layers += [nn.Linear(width, width), nn.ReLU()]
+        layers.append(nn.Linear(width, 10))
+        return nn.Sequential(*layers)
+
+
+def _data(n: int, inputs: int = 32, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    with _seeded(seed):
+        return torch.randn(n, inputs), torch.randint(0, 10, (n,))
+
+
+def _clone(model: nn.Module) -> nn.Module:
+    import copy
+    return copy.deepcopy(model)
+
+
+def _same_parameters(a: nn.Module, b: nn.Module, rtol: float = 1e-5, atol: float = 1e-6) -> bool:
+    return all(torch.allclose(p, q, rtol=rtol, atol=atol) for p, q in zip(a.parameters(), b.parameters()))
+
+
+# --- 05.1 parameters, gradients and optimizer state --------------------------------------------------
+
+_OPTIMIZERS: dict[str, Callable] = {
+    "sgd": lambda ps: torch.optim.SGD(ps, lr=0.01),
+    "momentum": lambda ps: torch.optim.SGD(ps, lr=0.01, momentum=0.9),
+    "adam": lambda ps: torch.optim.Adam(ps, lr=1e-3),
+}
+
+
+class _TinyCNN(nn.Module):
+    """Two convolutions and a classifier; `frozen=True` freezes the convolutions (fine-tuning a head)."""
+
+    def __init__(self, frozen: bool = False):
+        super().__init__()
+        self.features = nn.Sequential(nn.Conv2d(1, 8, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+                                      nn.Conv2d(8, 16, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2))
+        self.classifier = nn.Sequential(nn.Flatten(), nn.Linear(16 * 7 * 7, 64), nn.ReLU(), nn.Linear(64, 10))
+        if frozen:
+            self.features.requires_grad_(False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.classifier(self.features(x))
+
+
+def _state_cases() -> list[tuple[str, Callable[[], nn.Module], tuple[int, ...]]]:
+    return [("a 3-layer MLP", lambda: _mlp(width=48), (32,)),
+            ("a small CNN", lambda: _TinyCNN(), (1, 28, 28)),
+            ("the same CNN with its convolutions frozen (requires_grad=False)", lambda: _TinyCNN(frozen=True),
+             (1, 28, 28))]
+
+
+_MEASURED: dict[tuple[int, str], int] = {}
+
+
+def _measured_state_bytes(case: int, opt_name: str) -> int:
+    """Parameters + gradients + optimizer state after a real training step, counted byte for byte by a
+    SimulatedGPU (block_bytes=1: no allocator rounding). Cached: the same for every check."""
+    key = (case, opt_name)
+    if key not in _MEASURED:
+        _, make, shape = _state_cases()[case]
+        with _seeded(5):
+            model = make()
+            opt = _OPTIMIZERS[opt_name](model.parameters())
+            x, y = torch.rand(2, *shape), torch.randint(0, 10, (2,))
+            with SimulatedGPU("1GiB", model=model, optimizer=opt, block_bytes=1) as gpu:
+                F.cross_entropy(model(x), y).backward()
+                opt.step()  # creates the optimizer state
+                b = gpu.breakdown()
+        _MEASURED[key] = b.parameters + b.gradients + b.optimizer_state
+    return _MEASURED[key]
+
+
+def _check_training_state_bytes(training_state_bytes):
+    _require_function(training_state_bytes, "training_state_bytes")
+    for case, (label, make, _) in enumerate(_state_cases()):
+        for opt_name in _OPTIMIZERS:
+            with _seeded(5):
+                model = make()
+            got = call(training_state_bytes, model, opt_name, name="training_state_bytes")
+            if isinstance(got, torch.Tensor) or isinstance(got, bool) or not isinstance(got, (int, float)) \
+                    or not math.isfinite(got):
+                raise Incorrect(f"training_state_bytes should return a number of bytes (an int), got {describe(got)}")
+            expected = _measured_state_bytes(case, opt_name)
+            n_tensors = sum(1 for _ in model.parameters())
+            if abs(got - expected) <= 8 * n_tensors + 1e-3 * expected:  # Adam's 4-byte step counters
+                continue
+            every = sum(p.numel() * p.element_size() for p in model.parameters())
+            trainable = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+            shown = (f"for {label} with {opt_name!r}: got {got:,.0f} bytes, but a real training step holds "
+                     f"{expected:,} bytes ({format_bytes(expected)}) of parameters, gradients and optimizer state")
+            close = lambda v: abs(got - v) <= 8 * n_tensors + 1e-3 * expected  # noqa: E731
+            if opt_name == "adam" and close(every + 2 * trainable):
+                raise Incorrect(f"{shown}: likely mistake: Adam keeps two buffers per parameter (exp_avg and "
+                                "exp_avg_sq), on top of the gradient")
+            if close(3 * every):
+                raise Incorrect(f"{shown}: likely mistake: the same x3 for every optimizer (the blog claim); it "
+                                "depends on the optimizer: plain SGD keeps no state (parameters + gradients), "
+                                "momentum one buffer per parameter, Adam two")
+            if trainable < every and any(close(every * k) for k in (2, 3, 4)):
+                raise Incorrect(f"{shown}: likely mistake: frozen parameters (requires_grad=False) were counted "
+                                "as trained: they get no gradient and no optimizer state, only their own bytes")
+            if any(close(v * 8) for v in (expected, every * 2, every * 3, every * 4)):
+                raise Incorrect(f"{shown}: likely mistake: counted bits, not bytes; element_size() is already in "
+                                "bytes (4 for float32)")
+            raise Incorrect(shown)
+    return "SGD 2x, momentum 3x, Adam 4x the parameters' bytes, and frozen parameters only 1x"
+
+
+_STATE_SIG = ("def training_state_bytes(model, optimizer_name):\n"
+              "    \"\"\"Bytes of parameters + gradients + optimizer state while training `model` with optimizer_name\n"
+              "    \"sgd\", \"momentum\" or \"adam\" (activations not included).\"\"\"\n")
+
+register(Exercise(
+    id="05.1", title="Predict the memory of parameters, gradients and optimizer state",
+    answer="training_state_bytes",
+    blank=_STATE_SIG + "    raise NotImplementedError  # your code here\n",
+    solution=(_STATE_SIG
+              + "    every = sum(p.numel() * p.element_size() for p in model.parameters())\n"
+                "    trainable = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)\n"
+                "    buffers = {\"sgd\": 0, \"momentum\": 1, \"adam\": 2}[optimizer_name]  # optimizer state per parameter\n"
+                "    return every + trainable * (1 + buffers)  # + one gradient per trained parameter\n"),
+    setup="import torch\n",
+    checker=_check_training_state_bytes,
+    hints=["p.numel() * p.element_size() is a tensor's size in bytes. Every parameter is stored once; each "
+           "trained parameter (p.requires_grad) also gets a gradient of the same size.",
+           "Optimizer state per trained parameter: plain SGD none, SGD with momentum one buffer, Adam two "
+           "(exp_avg and exp_avg_sq). Frozen parameters get neither gradient nor state."],
+    mistakes=[
+        Mistake(_STATE_SIG + "    return 3 * sum(p.numel() * p.element_size() for p in model.parameters())\n",
+                "the same x3 for every optimizer"),
+        Mistake(_STATE_SIG + "    every = sum(p.numel() * p.element_size() for p in model.parameters())\n"
+                "    return every * {\"sgd\": 2, \"momentum\": 3, \"adam\": 4}[optimizer_name]\n", "frozen parameters"),
+        Mistake(_STATE_SIG + "    every = sum(p.numel() * 32 for p in model.parameters())\n"
+                "    return every * {\"sgd\": 2, \"momentum\": 3, \"adam\": 4}[optimizer_name]\n", "bits, not bytes"),
+    ],
+))
+
+
+# --- 05.2 reading an out-of-memory message ------------------------------------------------------------
+
+_MIB, _GIB = 2 ** 20, 2 ** 30
+_DIAGNOSES = ("fragmentation", "other processes", "too big")
+
+
+def _oom(requested, capacity, free, process, allocated, reserved_unallocated) -> dict:
+    return {"requested": int(requested), "capacity": int(capacity), "free": int(free), "process": int(process),
+            "allocated": int(allocated), "reserved_unallocated": int(reserved_unallocated)}
+
+
+def _oom_cases() -> list[tuple[dict, str]]:
+    return [
+        # this process holds almost everything, in live tensors: the step is too big for the GPU
+        (_oom(256 * _MIB, 15.77 * _GIB, 90 * _MIB, 15.6 * _GIB, 15.41 * _GIB, 110 * _MIB), "too big"),
+        # plenty cached but unallocated, none of it in one piece: fragmentation
+        (_oom(512 * _MIB, 23.65 * _GIB, 300 * _MIB, 23.2 * _GIB, 19.9 * _GIB, 3.1 * _GIB), "fragmentation"),
+        # another notebook's kernel holds 9 GiB of the card
+        (_oom(1 * _GIB, 23.65 * _GIB, 410 * _MIB, 14.1 * _GIB, 13.8 * _GIB, 200 * _MIB), "other processes"),
+        # a single tensor bigger than the whole GPU
+        (_oom(40 * _GIB, 23.65 * _GIB, 20.2 * _GIB, 3.3 * _GIB, 3.0 * _GIB, 120 * _MIB), "too big"),
+        # a little fragmentation, but less than the request: still too big
+        (_oom(2 * _GIB, 79.1 * _GIB, 1.1 * _GIB, 77.9 * _GIB, 76.6 * _GIB, 900 * _MIB), "too big"),
+    ]
+
+
+def _check_diagnose(diagnose):
+    _require_function(diagnose, "diagnose")
+    for oom, expected in _oom_cases():
+        got = call(diagnose, dict(oom), name="diagnose", check_mutation=False)
+        if not isinstance(got, str):
+            raise Incorrect(f"diagnose should return one of {_DIAGNOSES}, got {describe(got)}")
+        if got not in _DIAGNOSES:
+            raise Incorrect(f"diagnose returned {got!r}; it should return one of {_DIAGNOSES}")
+        if got == expected:
+            continue
+        shown = ("for an OOM with " + ", ".join(f"{k} {format_bytes(v)}" for k, v in oom.items())
+                 + f": diagnose returned {got!r}, expected {expected!r}")
+        others = oom["capacity"] - oom["free"] - oom["process"]
+        if expected == "fragmentation":
+            raise Incorrect(f"{shown}: likely mistake: the 'reserved but unallocated' memory was ignored; PyTorch "
+                            f"holds {format_bytes(oom['reserved_unallocated'])} of free cached memory, more than the "
+                            "request, yet could not use it: no single free block is big enough")
+        if expected == "too big" and got == "other processes":
+            raise Incorrect(f"{shown}: likely mistake: this process's own memory was counted as other "
+                            f"processes'; capacity - free includes what this process holds ({format_bytes(others)} "
+                            "is all the other processes have)")
+        if expected == "other processes":
+            raise Incorrect(f"{shown}: other processes hold capacity - free - process = {format_bytes(others)}, "
+                            "more than the request: freeing them (another notebook's kernel?) would let it fit")
+        raise Incorrect(shown)
+    return "fragmentation -> expandable_segments; other processes -> free the GPU; too big -> a smaller step"
+
+
+_DIAG_SIG = ("def diagnose(oom):\n"
+             "    \"\"\"\"fragmentation\", \"other processes\" or \"too big\" for the numbers (bytes) of a CUDA OOM message.\"\"\"\n")
+
+register(Exercise(
+    id="05.2", title="Read an out-of-memory message", answer="diagnose",
+    blank=_DIAG_SIG + "    raise NotImplementedError  # your code here\n",
+    solution=(_DIAG_SIG
+              + "    if oom[\"reserved_unallocated\"] >= oom[\"requested\"]:\n"
+                "        return \"fragmentation\"  # enough cached memory in total, but no free block big enough\n"
+                "    others = oom[\"capacity\"] - oom[\"free\"] - oom[\"process\"]  # memory of other processes\n"
+                "    if others >= oom[\"requested\"]:\n"
+                "        return \"other processes\"\n"
+                "    return \"too big\"\n"),
+    setup="",
+    checker=_check_diagnose,
+    hints=["Check in the order given: first compare the request with the memory PyTorch has reserved but not "
+           "allocated, then with the memory other processes hold.",
+           "Other processes hold capacity - free - process: the GPU's memory that is neither free nor this "
+           "process's."],
+    mistakes=[
+        Mistake(_DIAG_SIG + "    others = oom[\"capacity\"] - oom[\"free\"] - oom[\"process\"]\n"
+                "    return \"other processes\" if others >= oom[\"requested\"] else \"too big\"\n",
+                "reserved but unallocated"),
+        Mistake(_DIAG_SIG + "    if oom[\"reserved_unallocated\"] >= oom[\"requested\"]:\n"
+                "        return \"fragmentation\"\n"
+                "    others = oom[\"capacity\"] - oom[\"free\"]\n"
+                "    return \"other processes\" if others >= oom[\"requested\"] else \"too big\"\n",
+                "counted as other processes"),
+    ],
+))
+
+
+# --- 05.3 a step that survives the OOM ----------------------------------------------------------------
+
+def train_in_parts(model: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor,
+                   parts: int) -> None:
+    """One optimizer step on (x, y) computed in `parts` micro-batches: the same update as one big batch."""
+    optimizer.zero_grad(set_to_none=True)
+    n = len(x)
+    for xs, ys in zip(x.chunk(parts), y.chunk(parts)):  # chunk: views, no copies
+        loss = F.cross_entropy(model(xs), ys) * (len(xs) / n)  # this part's share of the batch mean
+        loss.backward()
+    optimizer.step()
+
+
+_IN_PARTS_SOURCE = '''def train_in_parts(model, optimizer, x, y, parts):
+    """One optimizer step on (x, y) computed in `parts` micro-batches: the same update as one big batch."""
+    optimizer.zero_grad(set_to_none=True)
+    n = len(x)
+    for xs, ys in zip(x.chunk(parts), y.chunk(parts)):  # chunk: views, no copies
+        loss = F.cross_entropy(model(xs), ys) * (len(xs) / n)  # this part's share of the batch mean
+        loss.backward()
+    optimizer.step()
+'''
+
+_SURVIVE_BATCH = 512
+
+
+def _survive_setup() -> tuple[nn.Module, torch.optim.Optimizer, torch.Tensor, torch.Tensor]:
+    model = _mlp(width=64, depth=4)  # activations dominate the peak, as in most real models
+    return model, torch.optim.SGD(model.parameters(), lr=0.1), *_data(_SURVIVE_BATCH)
+
+
+_PEAKS: dict[int, tuple[int, int]] = {}
+
+
+def _step_peak(parts: int) -> tuple[int, int]:
+    """(memory before, peak) of train_in_parts(..., parts) on the checker's model and batch, on a SimulatedGPU."""
+    if parts not in _PEAKS:
+        model, opt, x, y = _survive_setup()
+        with SimulatedGPU("1GiB", model=model, optimizer=opt) as gpu:
+            gpu.track(x, y)
+            before = gpu.memory_allocated()
+            train_in_parts(model, opt, x, y, parts)
+            _PEAKS[parts] = (before, gpu.max_memory_allocated())
+    return _PEAKS[parts]
+
+
+def _budget_between(fits: int, fails: int) -> int:
+    """A budget where a step in `fits` parts fits and one in `fails` parts does not."""
+    low, high = _step_peak(fits)[1], _step_peak(fails)[1]
+    return low + (high - low) // 4
+
+
+def _check_survive(survive):
+    _require_function(survive, "survive")
+    _, _, x, y = _survive_setup()
+    oracle, oracle_opt, _, _ = _survive_setup()
+    train_in_parts(oracle, oracle_opt, x, y, 1)  # the full-batch update, no memory limit
+    for label, budget in (("with memory to spare", 2 ** 30),
+                          ("where the full batch does not fit but halves do", _budget_between(2, 1)),
+                          ("where only quarters of the batch fit", _budget_between(4, 2))):
+        model, opt, _, _ = _survive_setup()
+        start = [p.detach().clone() for p in model.parameters()]
+        gpu = SimulatedGPU(budget, model=model, optimizer=opt)
+        failure = None
+        with gpu:
+            gpu.track(x, y)
+            try:
+                call(survive, model, opt, x, y, name="survive", check_mutation=False)
+            except Incorrect as exc:
+                failure = str(exc)
+        where = f"on a simulated GPU {label} ({format_bytes(budget)})"
+        if failure is not None:
+            if "OutOfMemoryError" not in failure:
+                raise Incorrect(failure)
+            if gpu.oom_count <= 1:
+                raise Incorrect(f"{where}: the out-of-memory error came out of survive: catch "
+                                "torch.OutOfMemoryError and retry the step in smaller parts")
+            if "halves" in label:
+                raise Incorrect(f"{where}: the retry ran out of memory too: likely mistake: the retry runs inside "
+                                "the except block, where the exception's traceback still holds the failed "
+                                "attempt's tensors; leave the except block first, then retry")
+            raise Incorrect(f"{where}: survive still ran out of memory ({gpu.oom_count} errors): keep halving the "
+                            "parts (2, 4, 8, ...) until the step fits, each retry after the except block")
+        if all(torch.equal(p, s) for p, s in zip(model.parameters(), start)):
+            raise Incorrect(f"{where}: the parameters did not change: the batch was skipped; retry it in smaller "
+                            "parts so that no data is lost")
+        if not _same_parameters(model, oracle):
+            raise Incorrect(f"{where}: the update differs from the full batch's; use train_in_parts, which "
+                            "weights each part by its share of the batch")
+    return "the same update as the full batch, however little memory there is"
+
+
+_SURVIVE_SIG = ("def survive(model, optimizer, x, y):\n"
+                "    \"\"\"One training step on (x, y) that survives running out of memory: on OOM, retry it in 2, 4, 8 ...\n"
+                "    parts with train_in_parts.\"\"\"\n")
+
+register(Exercise(
+    id="05.3", title="Make the step survive the OOM", answer="survive",
+    blank=_SURVIVE_SIG + "    raise NotImplementedError  # your code here\n",
+    solution=(_SURVIVE_SIG
+              + "    parts = 1\n"
+                "    while True:\n"
+                "        try:\n"
+                "            train_in_parts(model, optimizer, x, y, parts)\n"
+                "            return\n"
+                "        except torch.OutOfMemoryError:\n"
+                "            if parts >= len(x):\n"
+                "                raise  # not even one sample fits\n"
+                "        # here the except block has ended: the failed attempt's tensors are gone\n"
+                "        parts *= 2\n"),
+    setup="import torch\nimport torch.nn.functional as F\n\n" + _IN_PARTS_SOURCE,
+    checker=_check_survive,
+    hints=["A `while True:` loop around try/except: the next iteration starts after the except block has "
+           "ended, so the failed attempt's tensors are already freed.",
+           "In the except block only decide (or re-raise when parts cannot grow); double `parts` and loop."],
+    mistakes=[
+        Mistake(_SURVIVE_SIG + "    try:\n        train_in_parts(model, optimizer, x, y, 1)\n"
+                "    except torch.OutOfMemoryError:\n        train_in_parts(model, optimizer, x, y, 2)\n",
+                "inside the except block"),
+        Mistake(_SURVIVE_SIG + "    try:\n        train_in_parts(model, optimizer, x, y, 1)\n"
+                "    except torch.OutOfMemoryError:\n        pass  # skip this batch\n", "skipped"),
+        Mistake(_SURVIVE_SIG + "    failed = False\n    try:\n        train_in_parts(model, optimizer, x, y, 1)\n"
+                "    except torch.OutOfMemoryError:\n        failed = True\n"
+                "    if failed:\n        train_in_parts(model, optimizer, x, y, 2)\n", "keep halving"),
+    ],
+))
+
+
+# --- 05.4 the leak that keeps memory high after recovery ------------------------------------------------
+
+_LEAK_SIZES = (16, 128, 16)
+
+
+def _leak_setup() -> tuple[nn.Module, torch.optim.Optimizer, list[tuple[torch.Tensor, torch.Tensor]]]:
+    model = _mlp(width=256, depth=4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    batches = [_data(n, seed=10 + i) for i, n in enumerate(_LEAK_SIZES)]
+    return model, opt, batches
+
+
+def _leak_budget() -> int:
+    """Batches of 16 fit (with room for a leaked one), a batch of 128 does not."""
+    model, opt, batches = _leak_setup()
+    peaks = {}
+    for n in (16, 128):
+        m = _clone(model)
+        o = torch.optim.SGD(m.parameters(), lr=0.1)
+        x, y = next(b for b in batches if len(b[0]) == n)
+        with SimulatedGPU("1GiB", model=m, optimizer=o) as gpu:
+            gpu.track(x, y)
+            train_in_parts(m, o, x, y, 1)
+            peaks[n] = gpu.max_memory_allocated()
+    return (peaks[16] + peaks[128]) // 2
+
+
+def _check_clean_epoch(clean_epoch):
+    _require_function(clean_epoch, "clean_epoch")
+    budget = _leak_budget()
+    model, opt, batches = _leak_setup()
+    oracle, oracle_opt, _ = _leak_setup()
+    oracle_losses = []
+    for x, y in batches:
+        if len(x) == 16:
+            oracle_opt.zero_grad(set_to_none=True)
+            loss = F.cross_entropy(oracle(x), y)
+            loss.backward()
+            oracle_opt.step()
+            oracle_losses.append(loss.detach())
+    with SimulatedGPU(budget, model=model, optimizer=opt) as gpu:
+        gpu.track(*[t for b in batches for t in b])
+        before = gpu.memory_allocated()
+        result = call(clean_epoch, model, opt, list(batches), name="clean_epoch", check_mutation=False)
+        after = gpu.memory_allocated()
+        if not (isinstance(result, tuple) and len(result) == 2 and all(isinstance(r, list) for r in result)):
+            raise Incorrect(f"clean_epoch should return a pair of lists (losses, errors), got {describe(result)}")
+        losses, errors = result
+        if any(isinstance(e, BaseException) for e in errors):
+            raise Incorrect(f"memory after the epoch is {format_bytes(after - before)} above where it started: "
+                            "likely mistake: the exception object was kept; its __traceback__ holds the failed "
+                            "step's frames and, through them, every tensor the step had made; keep a message "
+                            "(str) instead")
+        if not all(isinstance(e, str) for e in errors):
+            raise Incorrect(f"errors should hold one message (a str) per batch that ran out of memory, got "
+                            f"{[describe(e) for e in errors]}")
+        if any(isinstance(v, (int, float)) and not isinstance(v, bool) for v in losses):
+            raise Incorrect("the losses are Python numbers: likely mistake: a per-step .item() (or float()), "
+                            "which makes the CPU wait for the GPU at every step; keep loss.detach() (a tensor on "
+                            "the device) and convert once, after the epoch")
+        if not all(isinstance(v, torch.Tensor) and v.dim() == 0 for v in losses):
+            raise Incorrect(f"losses should hold one 0-d loss tensor per batch that trained, got "
+                            f"{[describe(v) for v in losses][:4]}")
+        if any(v.grad_fn is not None or v.requires_grad for v in losses):
+            raise Incorrect("the losses still carry their autograd graph (grad_fn): likely mistake: the loss was "
+                            "kept without .detach(); a loss kept this way before backward, or in evaluation "
+                            "without no_grad, keeps every activation alive; append loss.detach()")
+        if len(errors) != 1 or len(losses) != 2:
+            raise Incorrect(f"of the batches of {list(_LEAK_SIZES)} samples only the one of 128 runs out of memory "
+                            f"here: expected 2 losses and 1 error, got {len(losses)} and {len(errors)}")
+        if not all(e.strip() for e in errors):
+            raise Incorrect("an error message is empty: keep the exception's text, e.g. str(e)")
+        grads = sum(p.grad.untyped_storage().nbytes() for p in model.parameters() if p.grad is not None)
+        allowance = grads + 2048 * (len(losses) + 1) + 64 * 1024
+        if after - before > allowance:
+            raise Incorrect(f"after the epoch {format_bytes(after - before)} more memory is in use than before "
+                            f"(gradients and the kept losses need only {format_bytes(grads + 512 * len(losses))}): "
+                            "something still refers to a step's tensors")
+    for got, want in zip(losses, oracle_losses):
+        if not torch.allclose(got, want, rtol=1e-5, atol=1e-6):
+            raise Incorrect(f"the losses {[round(float(v), 4) for v in losses]} differ from a plain training step's "
+                            f"{[round(float(v), 4) for v in oracle_losses]}")
+    if not _same_parameters(model, oracle):
+        raise Incorrect("the parameters differ from two plain training steps on the batches that fit: zero the "
+                        "gradients before each step, then forward, backward and optimizer.step()")
+    return f"memory after recovery is back to the model, its gradients and {len(losses)} small loss tensors"
+
+
+_LEAK_SIG = ("def clean_epoch(model, optimizer, batches):\n"
+             "    \"\"\"One training step per (x, y) in batches; a batch that runs out of memory is skipped. Returns\n"
+             "    (losses, errors): a detached 0-d loss tensor per batch that trained, a message (str) per batch that\n"
+             "    did not.\"\"\"\n")
+
+register(Exercise(
+    id="05.4", title="Find the leak that keeps memory high after recovery", answer="clean_epoch",
+    blank=_LEAK_SIG + "    raise NotImplementedError  # your code here\n",
+    solution=(_LEAK_SIG
+              + "    losses, errors = [], []\n"
+                "    for x, y in batches:\n"
+                "        optimizer.zero_grad(set_to_none=True)\n"
+                "        try:\n"
+                "            loss = F.cross_entropy(model(x), y)\n"
+                "            loss.backward()\n"
+                "            optimizer.step()\n"
+                "            losses.append(loss.detach())  # no graph, no .item(): stays on the device\n"
+                "        except torch.OutOfMemoryError as e:\n"
+                "            errors.append(str(e).splitlines()[0])  # the text, not the exception (its traceback)\n"
+                "        loss = None  # nothing of this step outlives it\n"
+                "    return losses, errors\n"),
+    setup="import torch\nimport torch.nn.functional as F\n",
+    checker=_check_clean_epoch,
+    hints=["Start from leaky_epoch above. Two things it keeps outlive the step: find what refers to the "
+           "failed step's tensors after the except block has ended.",
+           "An exception object keeps its __traceback__, and the traceback keeps every frame of the failed "
+           "step with its local tensors: store str(e). Append loss.detach(), not loss."],
+    mistakes=[
+        Mistake(_LEAK_SIG + "    losses, errors = [], []\n    for x, y in batches:\n"
+                "        optimizer.zero_grad(set_to_none=True)\n        try:\n"
+                "            loss = F.cross_entropy(model(x), y)\n            loss.backward()\n"
+                "            optimizer.step()\n            losses.append(loss.detach())\n"
+                "        except torch.OutOfMemoryError as e:\n            errors.append(e)\n"
+                "    return losses, errors\n", "the exception object was kept"),
+        Mistake(_LEAK_SIG + "    losses, errors = [], []\n    for x, y in batches:\n"
+                "        optimizer.zero_grad(set_to_none=True)\n        try:\n"
+                "            loss = F.cross_entropy(model(x), y)\n            loss.backward()\n"
+                "            optimizer.step()\n            losses.append(loss)\n"
+                "        except torch.OutOfMemoryError as e:\n            errors.append(str(e))\n"
+                "    return losses, errors\n", "without .detach()"),
+        Mistake(_LEAK_SIG + "    losses, errors = [], []\n    for x, y in batches:\n"
+                "        optimizer.zero_grad(set_to_none=True)\n        try:\n"
+                "            loss = F.cross_entropy(model(x), y)\n            loss.backward()\n"
+                "            optimizer.step()\n            losses.append(loss.item())\n"
+                "        except torch.OutOfMemoryError as e:\n            errors.append(str(e))\n"
+                "    return losses, errors\n", "per-step .item()"),
+    ],
+))
+
+
+# --- 05.5 the largest batch that fits ------------------------------------------------------------------
+
+def _affine(fixed: int, per_sample: int) -> Callable[[int], int]:
+    def peak_at(batch_size: int) -> int:
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"peak_at takes a batch size >= 1 (an int), got {batch_size!r}")
+        return fixed + per_sample * batch_size
+    return peak_at
+
+
+def _max_batch_cases() -> list[tuple[int, int, int]]:
+    """(fixed bytes, bytes per sample, budget)."""
+    return [(5_000_000, 300_000, 20_000_000),               # 50
+            (1_900_000, 318_000, 24 * _MIB),                # not a whole number: round down
+            (40 * _MIB, 2 * _MIB, 40 * _MIB + 96 * _MIB),  # exactly 48 fit: the boundary fits
+            (30 * _MIB, 1 * _MIB, 24 * _MIB),              # nothing fits
+            (3 * _GIB, 37 * _MIB, 16 * _GIB)]              # a GPU-sized case
+
+
+def _check_max_batch_size(max_batch_size):
+    _require_function(max_batch_size, "max_batch_size")
+    for fixed, per, budget in _max_batch_cases():
+        expected = max(0, (budget - fixed) // per)
+        got = call(max_batch_size, _affine(fixed, per), budget, name="max_batch_size", check_mutation=False)
+        if isinstance(got, float) and got.is_integer():
+            got = int(got)
+        if isinstance(got, bool) or not isinstance(got, int):
+            raise Incorrect(f"max_batch_size should return a whole number of samples (an int), got {describe(got)}")
+        if got == expected:
+            continue
+        shown = (f"with {format_bytes(fixed)} fixed, {format_bytes(per)} per sample and a budget of "
+                 f"{format_bytes(budget)}: got {got}, expected {expected}")
+        if got < 0:
+            raise Incorrect(f"{shown}: likely mistake: a negative batch size; return 0 when even one sample "
+                            "does not fit")
+        if got == budget // per or got == math.ceil(budget / per):
+            raise Incorrect(f"{shown}: likely mistake: the fixed part (parameters, gradients, optimizer state) "
+                            "was ignored; only what is left of the budget after it is shared by the samples")
+        if got == budget // (fixed + per):
+            raise Incorrect(f"{shown}: likely mistake: peak_at(1) was used as the cost of one sample, which "
+                            "counts the fixed part once per sample; the cost per sample is peak_at(2) - peak_at(1)")
+        if got == expected + 1:
+            raise Incorrect(f"{shown}: likely mistake: rounded up, so the last sample does not fit; round down")
+        raise Incorrect(shown)
+    return "fixed part first, then what is left divided by the cost of one sample, rounded down"
+
+
+_MAX_SIG = ("def max_batch_size(peak_at, budget):\n"
+            "    \"\"\"The largest batch size b with peak_at(b) <= budget (0 if none), where peak_at(b) = fixed + per_sample * b.\"\"\"\n")
+
+register(Exercise(
+    id="05.5", title="The largest batch that fits, predicted", answer="max_batch_size",
+    blank=_MAX_SIG + "    raise NotImplementedError  # your code here\n",
+    solution=(_MAX_SIG
+              + "    per_sample = peak_at(2) - peak_at(1)\n"
+                "    fixed = peak_at(1) - per_sample\n"
+                "    return max(0, int((budget - fixed) // per_sample))  # round down: the last sample must fit\n"),
+    setup="",
+    checker=_check_max_batch_size,
+    hints=["Two evaluations give the line: per_sample = peak_at(2) - peak_at(1), and fixed = peak_at(1) - per_sample.",
+           "Solve fixed + per_sample * b <= budget for b, round down with //, and never return less than 0."],
+    mistakes=[
+        Mistake(_MAX_SIG + "    return budget // (peak_at(2) - peak_at(1))\n", "fixed part"),
+        Mistake(_MAX_SIG + "    return budget // peak_at(1)\n", "counts the fixed part once per sample"),
+        Mistake(_MAX_SIG + "    per_sample = peak_at(2) - peak_at(1)\n    fixed = peak_at(1) - per_sample\n"
+                "    import math\n    return max(0, math.ceil((budget - fixed) / per_sample))\n", "rounded up"),
+    ],
+))
+
+
+# --- 05.6 gradient accumulation with a shorter last group -------------------------------------------------
+
+def _accumulation_setup() -> tuple[nn.Module, torch.optim.Optimizer, list[tuple[torch.Tensor, torch.Tensor]]]:
+    model = _mlp(width=24, depth=2, inputs=12, seed=3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
+    batches = [_data(4, inputs=12, seed=20 + i) for i in range(7)]
+    return model, opt, batches
+
+
+def _group_updates(batches, k: int, divide: Callable[[int], float], last: bool = True, each: bool = False):
+    """Parameters after accumulation by a given rule: loss / divide(group size); the last group applied or not;
+    `each`: a step after every micro-batch (no accumulation)."""
+    model, opt, _ = _accumulation_setup()
+    groups = [batches[i:i + k] for i in range(0, len(batches), k)]
+    if not last and len(groups[-1]) < k:
+        groups = groups[:-1]
+    for group in groups:
+        opt.zero_grad(set_to_none=True)
+        for x, y in group:
+            (F.cross_entropy(model(x), y) / divide(len(group))).backward()
+            if each:
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+        if not each:
+            opt.step()
+    return model
+
+
+def _check_accumulate(accumulate):
+    _require_function(accumulate, "accumulate")
+    k = 3
+    model, opt, batches = _accumulation_setup()
+    start = [p.detach().clone() for p in model.parameters()]
+    call(accumulate, model, opt, list(batches), k, name="accumulate", check_mutation=False)
+    if all(torch.equal(p, s) for p, s in zip(model.parameters(), start)):
+        raise Incorrect("the parameters did not change: call optimizer.step() once per group")
+    # the oracle: one step per group on the group's micro-batches concatenated
+    oracle, oracle_opt, _ = _accumulation_setup()
+    for i in range(0, len(batches), k):
+        group = batches[i:i + k]
+        oracle_opt.zero_grad(set_to_none=True)
+        x, y = torch.cat([b[0] for b in group]), torch.cat([b[1] for b in group])
+        F.cross_entropy(oracle(x), y).backward()
+        oracle_opt.step()
+    if _same_parameters(model, oracle):
+        return "every update equals the big batch's, the short last group included"
+    sizes = [len(batches[i:i + k]) for i in range(0, len(batches), k)]
+    shown = f"with {len(batches)} micro-batches and k={k} (groups of {sizes})"
+    if _same_parameters(model, _group_updates(batches, k, lambda n: k, last=False)):
+        raise Incorrect(f"{shown}: likely mistake: the last group ({sizes[-1]} micro-batch) was never applied: "
+                        "with a step only when (i + 1) % k == 0, its gradients are computed and then lost; step "
+                        "after the last micro-batch too")
+    if _same_parameters(model, _group_updates(batches, k, lambda n: k)):
+        raise Incorrect(f"{shown}: likely mistake: the shorter last group's loss was divided by k; divide each "
+                        "group's losses by the number of micro-batches in that group")
+    if _same_parameters(model, _group_updates(batches, k, lambda n: 1)):
+        raise Incorrect(f"{shown}: likely mistake: the losses were not divided; accumulated gradients add up, "
+                        "so a group of n micro-batches gives n times the mean gradient: divide each loss by n")
+    if _same_parameters(model, _group_updates(batches, k, lambda n: n, each=True)) or \
+            _same_parameters(model, _group_updates(batches, k, lambda n: 1, each=True)):
+        raise Incorrect(f"{shown}: likely mistake: a step after every micro-batch; accumulate the group's "
+                        "gradients first, then one optimizer.step() and one zero_grad() per group")
+    raise Incorrect(f"{shown}: the parameters differ from one step per group on the concatenated micro-batches")
+
+
+_ACC_SIG = ("def accumulate(model, optimizer, batches, k):\n"
+            "    \"\"\"Train on a list of equal-sized (x, y) micro-batches with one optimizer step per group of k (the\n"
+            "    last group may be shorter); each step equals one step on its group concatenated.\"\"\"\n")
+
+register(Exercise(
+    id="05.6", title="Gradient accumulation, the last group included", answer="accumulate",
+    blank=_ACC_SIG + "    raise NotImplementedError  # your code here\n",
+    solution=(_ACC_SIG
+              + "    for start in range(0, len(batches), k):\n"
+                "        group = batches[start:start + k]  # the last one may be shorter\n"
+                "        optimizer.zero_grad(set_to_none=True)\n"
+                "        for x, y in group:\n"
+                "            loss = F.cross_entropy(model(x), y) / len(group)  # the group's mean, not k\n"
+                "            loss.backward()  # gradients add up in p.grad\n"
+                "        optimizer.step()\n"),
+    setup="import torch\nimport torch.nn.functional as F\n",
+    checker=_check_accumulate,
+    hints=["Loop over groups: batches[start:start + k] for start in range(0, len(batches), k).",
+           "Inside a group: zero_grad once, then for each micro-batch loss / len(group) and backward; then one "
+           "optimizer.step()."],
+    mistakes=[
+        Mistake(_ACC_SIG + "    optimizer.zero_grad()\n    for i, (x, y) in enumerate(batches):\n"
+                "        loss = F.cross_entropy(model(x), y) / k\n        loss.backward()\n"
+                "        if (i + 1) % k == 0:\n            optimizer.step()\n            optimizer.zero_grad()\n",
+                "never applied"),
+        Mistake(_ACC_SIG + "    for start in range(0, len(batches), k):\n        optimizer.zero_grad()\n"
+                "        for x, y in batches[start:start + k]:\n"
+                "            (F.cross_entropy(model(x), y) / k).backward()\n        optimizer.step()\n",
+                "divided by k"),
+        Mistake(_ACC_SIG + "    for start in range(0, len(batches), k):\n        optimizer.zero_grad()\n"
+                "        for x, y in batches[start:start + k]:\n"
+                "            F.cross_entropy(model(x), y).backward()\n        optimizer.step()\n",
+                "not divided"),
+        Mistake(_ACC_SIG + "    for x, y in batches:\n        optimizer.zero_grad()\n"
+                "        F.cross_entropy(model(x), y).backward()\n        optimizer.step()\n",
+                "a step after every micro-batch"),
+    ],
+))
