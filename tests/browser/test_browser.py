@@ -115,7 +115,24 @@ def _row(text: str, name: str) -> str:
     raise AssertionError(f"no {name!r} row in the panel text:\n{text}")
 
 
+def _dismiss_dialogs(page, seen: list) -> None:
+    """Accept any JupyterLab dialog in the way (e.g. a kernel choice offered while the machine is slow),
+    keeping its text so a failure can say what it was."""
+    dialogs = page.locator(".jp-Dialog")
+    for _ in range(3):
+        if dialogs.count() == 0:
+            return
+        seen.append(dialogs.first.inner_text()[:300])
+        buttons = dialogs.first.locator(".jp-Dialog-button.jp-mod-accept")
+        if buttons.count():
+            buttons.first.click()
+        else:
+            page.keyboard.press("Escape")
+        time.sleep(0.5)
+
+
 def test_monitor_updates_in_a_real_jupyterlab_while_a_cell_runs(lab):
+    from playwright.sync_api import TimeoutError as PlaywrightTimeoutError
     from playwright.sync_api import expect, sync_playwright
 
     base, token = lab
@@ -131,17 +148,22 @@ def test_monitor_updates_in_a_real_jupyterlab_while_a_cell_runs(lab):
             # the kernel must be up before "Run All" or the run waits on a kernel-selection dialog
             expect(page.locator(".jp-Notebook-ExecutionIndicator[data-status='idle']")).to_have_count(1,
                                                                                                       timeout=90_000)
+            dialogs_seen = []
             for attempt in range(3):  # a click can land while the page is still settling: check it took
-                cells.nth(1).click()
-                page.locator(".lm-MenuBar-itemLabel", has_text=re.compile(r"^Run$")).click()
-                page.locator(".lm-Menu-itemLabel", has_text=re.compile(r"^Run All Cells$")).click()
+                _dismiss_dialogs(page, dialogs_seen)
+                try:
+                    cells.nth(1).click(timeout=15_000)
+                    page.locator(".lm-MenuBar-itemLabel", has_text=re.compile(r"^Run$")).click(timeout=15_000)
+                    page.locator(".lm-Menu-itemLabel", has_text=re.compile(r"^Run All Cells$")).click(timeout=15_000)
+                except PlaywrightTimeoutError:  # something (a dialog) was in the way: dismiss it, try again
+                    continue
                 deadline = time.monotonic() + 15
                 while _prompt(page, 1) == "[ ]:" and time.monotonic() < deadline:
                     time.sleep(0.25)
                 if _prompt(page, 1) != "[ ]:":
                     break
             else:
-                pytest.fail("Run > Run All Cells did not start the notebook")
+                pytest.fail(f"Run > Run All Cells did not start the notebook (dialogs seen: {dialogs_seen})")
 
             panel = page.locator(".course-device-monitor")
             progress = page.locator(".course-training-progress")
