@@ -223,6 +223,12 @@ def amp(ctx: Context) -> dict:
     return _sibling("gpu_amp").run(ctx.device, quick=ctx.dry_run)
 
 
+@section("memory")
+def memory(ctx: Context) -> dict:
+    """Notebook 05: estimator vs allocator, allocated/reserved around empty_cache, OOM recovery (gpu_memory.py)."""
+    return _sibling("gpu_memory").run(ctx.device, quick=ctx.dry_run)
+
+
 @section("monitor")
 def monitor(ctx: Context) -> dict:
     """Notebooks 00 and 07: which NVML fields this GPU reports, and that the monitor sees allocations."""
