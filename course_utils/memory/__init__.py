@@ -1,0 +1,35 @@
+"""GPU memory: see it, predict it, survive running out of it.
+
+- `SimulatedGPU(budget)`: a context manager that gives the CPU a GPU-sized memory budget. It counts
+  the bytes of live tensor storages created inside it (plus a model and optimizer it is told about)
+  and raises a `torch.OutOfMemoryError` shaped like CUDA's when an allocation would not fit, so
+  out-of-memory handling written for real GPUs can be run and tested on a laptop.
+- `limit_gpu_memory(budget)`: the same demonstration on a real (big) CUDA GPU.
+- `is_oom_error(exc)`, `free_memory()`: recognise out-of-memory errors from every backend; release
+  cached memory afterwards.
+- `estimate_training_memory(...)`: parameters, gradients, optimizer state and activations of one
+  training step, computed on fake tensors (no real activation memory is allocated).
+- `find_max_batch_size(...)`: doubling then binary search with real training steps.
+- `ResilientStep`: a training step that, on OOM, splits the batch into micro-batches with gradient
+  accumulation and retries the same step (same update, no data skipped).
+- `checkpointed(module)`, `checkpoint_sequential_blocks(...)`: activation checkpointing, always with
+  `use_reentrant=False`.
+
+Importing this module touches no device and starts nothing.
+"""
+from .batch_size import BatchSizeSearch, Trial, find_max_batch_size
+from .checkpointing import Checkpointed, checkpoint_sequential_blocks, checkpointed
+from .estimate import MemoryEstimate, estimate_training_memory
+from .limit import limit_gpu_memory
+from .oom import OOM_MESSAGES, FreeMemoryReport, free_memory, is_oom_error
+from .resilient import ResilientStep, ResilientStepOutOfMemoryError
+from .simulated import MemoryBreakdown, SimulatedGPU, SimulatedOutOfMemoryError, active_simulated_gpu
+from .sizes import CUDA_BLOCK_BYTES, BytesLike, format_bytes, parse_bytes
+
+__all__ = [
+    "CUDA_BLOCK_BYTES", "OOM_MESSAGES", "BatchSizeSearch", "BytesLike", "Checkpointed", "FreeMemoryReport",
+    "MemoryBreakdown", "MemoryEstimate", "ResilientStep", "ResilientStepOutOfMemoryError", "SimulatedGPU",
+    "SimulatedOutOfMemoryError", "Trial", "active_simulated_gpu", "checkpoint_sequential_blocks", "checkpointed",
+    "estimate_training_memory", "find_max_batch_size", "format_bytes", "free_memory", "is_oom_error",
+    "limit_gpu_memory", "parse_bytes",
+]
