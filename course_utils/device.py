@@ -204,14 +204,6 @@ def diagnose(torch_info: TorchInfo, nvml: NvmlInfo, env: dict | None = None) -> 
     return steps
 
 
-def _fmt_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1024
-    return f"{n} B"  # pragma: no cover
-
-
 class EnvironmentReport:
     """A printable report; `str(report)` is the text, `report.device` the chosen device."""
 
@@ -250,10 +242,12 @@ def describe_environment(torch_info: TorchInfo | None = None, nvml: NvmlInfo | N
                         if n.cuda_driver_version else ""))
     steps: list[Step] = []
     if t.cuda_available and t.device_count:
+        from .memory.sizes import format_bytes  # imported here: the memory package is not needed otherwise
+
         for i in range(t.device_count):
             p = torch.cuda.get_device_properties(i)
             lines.append(f"GPU {i}: {p.name}, compute capability {p.major}.{p.minor}, "
-                         f"{_fmt_bytes(p.total_memory)} total memory")
+                         f"{format_bytes(p.total_memory)} total memory")
         device = torch.device("cuda")
     elif t.mps_available:
         lines.append("GPU: Apple MPS (Metal) is available; memory is shared with the CPU")

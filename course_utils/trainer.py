@@ -230,6 +230,17 @@ class Trainer:
             next(it)
         return it
 
+    def _groups(self, batches):
+        """Batches moved to the device, in groups of `accumulate` (the last group of an epoch may be smaller)."""
+        group = []
+        for batch in batches:
+            group.append(move_batch(batch, self.device))
+            if len(group) == self.accumulate:
+                yield group
+                group = []
+        if group:
+            yield group
+
     def train_epoch(self, interrupt: _DeferInterrupt | None = None) -> float | None:
         """Train one epoch; returns its mean loss, or None if interrupted (state kept for a resume)."""
         self.model.train()
@@ -247,23 +258,16 @@ class Trainer:
             _set_rng_state(resume["rng_now"])
             total = resume["loss_sum"].to(self.device)
             count, done = resume["count"], resume["done"]
-        group = []
-        progress = {"done": done, "count": count}
         try:
-            for batch in batches:
-                inputs, targets = move_batch(batch, self.device)
+            for group in self._groups(batches):
                 if self.accumulate > 1:
-                    group.append((inputs, targets))
-                    if len(group) < self.accumulate:
-                        continue
-                    losses, sizes = self._accumulated_step(group), [len(t) for _, t in group]
-                    group = []
+                    losses = self._accumulated_step(group)
                 else:
-                    losses, sizes = [self.train_step(inputs, targets)], [len(targets)]
-                for loss, n in zip(losses, sizes):
-                    total += loss * n
-                    progress["count"] += n
-                    progress["done"] += 1
+                    losses = [self.train_step(*group[0])]
+                for loss, (_, targets) in zip(losses, group):
+                    total += loss * len(targets)
+                    count += len(targets)
+                    done += 1
                     self.global_step += 1
                     self._emit("on_step_end", self.global_step, loss)
                 if interrupt is not None and interrupt.requested:
@@ -272,17 +276,9 @@ class Trainer:
             # Deferred Ctrl-C: we stop between two steps. An undeferred one (a second Ctrl-C, or raised by a
             # callback) may land inside a step: its gradients are dropped, finished steps are kept.
             self.optimizer.zero_grad(set_to_none=True)
-            self._resume = {"epoch_start": self._epoch_start_state, "done": progress["done"],
-                            "count": progress["count"], "loss_sum": total.detach().cpu(), "rng_now": _rng_state()}
+            self._resume = {"epoch_start": self._epoch_start_state, "done": done, "count": count,
+                            "loss_sum": total.detach().cpu(), "rng_now": _rng_state()}
             return None
-        count, done = progress["count"], progress["done"]
-        if group:  # the last, smaller group of the epoch
-            for loss, (_, t) in zip(self._accumulated_step(group), group):
-                total += loss * len(t)
-                count += len(t)
-                done += 1
-                self.global_step += 1
-                self._emit("on_step_end", self.global_step, loss)
         if count == 0:
             raise ValueError("train_loader produced no batches")
         return (total / count).item()  # the one CPU-GPU sync point of the epoch
