@@ -5,6 +5,8 @@
 - `synthetic_cifar(n)`: CIFAR-shaped (3x32x32) coloured shapes in 10 classes, same idea.
 - `load_mnist(root)` / `load_cifar10(root)`: the real datasets through torchvision when the files are
   there or can be downloaded; otherwise one clear sentence and the synthetic stand-in.
+- `AugmentedImages`: images with a random crop, flip and noise in `__getitem__`: per-sample CPU work, the
+  kind DataLoader worker processes exist for (notebook 03).
 - `TensorLoader`: batches straight from tensors (optionally resident on the GPU), reshuffled each epoch.
 """
 from __future__ import annotations
@@ -13,6 +15,7 @@ import math
 import socket
 
 import torch
+import torch.nn.functional as F
 from torch.utils.data import Dataset
 
 DIGIT_CLASSES = [str(d) for d in range(10)]
@@ -231,6 +234,35 @@ def load_cifar10(root="data", train: bool = True, download: bool = True, fallbac
         return synthetic_cifar(n, seed=0 if train else 1)
     images = torch.from_numpy(ds.data).permute(0, 3, 1, 2).float().div_(255).contiguous()
     return ImageDataset(images, torch.tensor(ds.targets, dtype=torch.long), list(ds.classes), "torchvision.CIFAR10")
+
+
+# --- per-sample augmentation (for DataLoader workers) ---------------------------------------
+
+class AugmentedImages(Dataset):
+    """Images with a per-sample augmentation in `__getitem__`: random crop of the zero-padded image,
+    random horizontal flip, a little noise. This is the per-sample CPU work that DataLoader worker
+    processes exist for. It lives in a module (not a notebook) so that worker processes started with
+    "spawn" (macOS, Windows) can import it.
+    """
+
+    def __init__(self, images: torch.Tensor, labels: torch.Tensor, pad: int = 4, noise: float = 0.02):
+        if len(images) != len(labels):
+            raise ValueError(f"{len(images)} images but {len(labels)} labels")
+        self.images, self.labels, self.pad, self.noise = images, labels, pad, noise
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, i: int):
+        x = self.images[i]
+        h, w = x.shape[-2:]
+        padded = F.pad(x, (self.pad,) * 4)
+        dy, dx = torch.randint(0, 2 * self.pad + 1, (2,)).tolist()
+        x = padded[:, dy:dy + h, dx:dx + w]
+        if torch.rand(()) < 0.5:
+            x = x.flip(-1)
+        x = (x + self.noise * torch.randn_like(x)).clamp_(0, 1)
+        return x, self.labels[i]
 
 
 # --- a loader for in-memory tensors -------------------------------------------------------

@@ -7,8 +7,8 @@
 - The speed ladder: one training loop (`CifarCNN` on CIFAR-shaped images) made faster one change at a
   time. Each rung is a function `rung(device, data, images=..., repeats=..., warmup_steps=...)` that
   returns images per second; `run_ladder` measures them all in one run and gives ratios to the first.
-- `AugmentedImages` and `loader_epochs`: an input pipeline with per-sample work, for measuring
-  DataLoader worker processes (notebook 03).
+- `loader_epochs`: times epochs of an input pipeline, for measuring DataLoader worker processes with
+  `course_utils.data.AugmentedImages` (re-exported here; notebook 03).
 
 Importing this module touches no device.
 """
@@ -22,9 +22,10 @@ from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn.functional as F
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader
 
 from .amp import MixedPrecision
+from .data import AugmentedImages as AugmentedImages  # re-exported: notebook 03 imports it from here
 from .data import TensorLoader
 from .models import CifarCNN
 from .timing import measure, synchronize
@@ -354,33 +355,6 @@ def batch_size_sweep(device, data, sizes=(16, 64, 256), *, rounds: int = 1, **kw
 
 
 # --- input pipelines (DataLoader workers) -----------------------------------------------------
-
-class AugmentedImages(Dataset):
-    """Images with a per-sample augmentation in `__getitem__`: random crop of the zero-padded image,
-    random horizontal flip, a little noise. This is the per-sample CPU work that DataLoader worker
-    processes exist for. It lives in a module (not a notebook) so that worker processes started with
-    "spawn" (macOS, Windows) can import it.
-    """
-
-    def __init__(self, images: torch.Tensor, labels: torch.Tensor, pad: int = 4, noise: float = 0.02):
-        if len(images) != len(labels):
-            raise ValueError(f"{len(images)} images but {len(labels)} labels")
-        self.images, self.labels, self.pad, self.noise = images, labels, pad, noise
-
-    def __len__(self) -> int:
-        return len(self.labels)
-
-    def __getitem__(self, i: int):
-        x = self.images[i]
-        h, w = x.shape[-2:]
-        padded = F.pad(x, (self.pad,) * 4)
-        dy, dx = torch.randint(0, 2 * self.pad + 1, (2,)).tolist()
-        x = padded[:, dy:dy + h, dx:dx + w]
-        if torch.rand(()) < 0.5:
-            x = x.flip(-1)
-        x = (x + self.noise * torch.randn_like(x)).clamp_(0, 1)
-        return x, self.labels[i]
-
 
 @dataclass
 class EpochTiming:
