@@ -918,3 +918,61 @@ def test_import_has_no_side_effects():
 @no_cuda
 def test_nothing_here_initialised_cuda():
     assert not torch.cuda.is_initialized()
+
+
+def test_measure_peak_reports_the_blocks_peak_and_keeps_the_larger_outer_peak():
+    """Exact byte sizes of the storages made inside (block_bytes=1) and PyTorch's own memory tracker
+    as oracles for the block's peak; the GPU's overall peak survives the measurement."""
+    with SimulatedGPU("1MiB", block_bytes=1) as gpu:
+        big = torch.empty(50_000, dtype=torch.uint8)
+        del big  # the overall peak so far: 50 000 bytes
+        held = torch.empty(100, dtype=torch.float64)  # live when the block starts: counted in its peak
+        with gpu.measure_peak() as reading:
+            assert reading.bytes is None  # only known when the block ends
+            a = torch.empty(1000)
+            b = torch.ones(500, dtype=torch.int16)
+            expected = sum(t.untyped_storage().nbytes() for t in (held, a, b))
+            del a, b
+            torch.empty(10)  # freed at once, below the peak
+        assert reading.bytes == expected == 800 + 4000 + 1000
+        assert gpu.max_memory_allocated() == 50_000  # the outer peak was higher: kept
+
+        with gpu.measure_peak() as outer:  # a block that beats the outer peak raises it; blocks nest
+            with gpu.measure_peak() as inner:
+                c = torch.empty(20_000)
+                del c
+            d = torch.empty(100, dtype=torch.uint8)
+        assert inner.bytes == outer.bytes == 800 + 80_000
+        assert gpu.max_memory_allocated() == 80_800
+
+        with pytest.raises(ValueError, match="inside"):  # the reading is set on error too
+            with gpu.measure_peak() as failed:
+                e = torch.empty(2500)
+                raise ValueError("raised inside the block")
+        assert failed.bytes == 800 + 100 + 10_000 and gpu.max_memory_allocated() == 80_800
+        del d, e
+        with pytest.raises(SimulatedOutOfMemoryError):
+            with gpu.measure_peak() as oom:
+                torch.empty(2**20)  # 4 MiB does not fit: refused, never part of the peak
+        assert oom.bytes == 800 and gpu.memory_allocated() == 800
+
+    mem_tracker = pytest.importorskip("torch.distributed._tools.mem_tracker")
+    torch.manual_seed(0)
+    model = SimpleCNN()
+    opt = OPTIMIZERS["adam"](model.parameters())
+    x, y = torch.rand(32, 1, 28, 28), torch.randint(0, 10, (32,))
+    plain_step(model, opt, x, y)  # optimizer state exists: the steady-state step
+    tracker = mem_tracker.MemTracker()
+    tracker.track_external(model, opt, x, y)
+    with tracker:
+        plain_step(model, opt, x, y)
+    step_peak = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
+    with SimulatedGPU("1GiB", model=model, optimizer=opt, block_bytes=1) as gpu:
+        gpu.track(x, y)
+        spike = torch.empty(step_peak, dtype=torch.uint8)  # an earlier, higher peak
+        outer_peak = gpu.max_memory_allocated()
+        del spike
+        with gpu.measure_peak() as reading:
+            plain_step(model, opt, x, y)
+    assert reading.bytes == step_peak
+    assert gpu.max_memory_allocated() == outer_peak > step_peak

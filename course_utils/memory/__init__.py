@@ -23,12 +23,12 @@ from .estimate import MemoryEstimate, estimate_training_memory
 from .limit import limit_gpu_memory
 from .oom import OOM_MESSAGES, FreeMemoryReport, free_memory, is_oom_error
 from .resilient import ResilientStep, ResilientStepOutOfMemoryError
-from .simulated import MemoryBreakdown, SimulatedGPU, SimulatedOutOfMemoryError, active_simulated_gpu
+from .simulated import MemoryBreakdown, PeakReading, SimulatedGPU, SimulatedOutOfMemoryError, active_simulated_gpu
 from .sizes import CUDA_BLOCK_BYTES, BytesLike, format_bytes, parse_bytes
 
 __all__ = [
     "CUDA_BLOCK_BYTES", "OOM_MESSAGES", "BatchSizeSearch", "BytesLike", "Checkpointed", "FreeMemoryReport",
-    "MemoryBreakdown", "MemoryEstimate", "ResilientStep", "ResilientStepOutOfMemoryError", "SimulatedGPU",
+    "MemoryBreakdown", "MemoryEstimate", "PeakReading", "ResilientStep", "ResilientStepOutOfMemoryError", "SimulatedGPU",
     "SimulatedOutOfMemoryError", "Trial", "active_simulated_gpu", "checkpoint_sequential_blocks", "checkpointed",
     "estimate_training_memory", "find_max_batch_size", "format_bytes", "free_memory", "is_oom_error",
     "limit_gpu_memory", "parse_bytes",

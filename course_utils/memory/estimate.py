@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from .oom import _first_line
-from .simulated import _Ledger, _optimizer_params, _TrackingMode
+from .simulated import AllocationTracker, StorageLedger, optimizer_params
 from .sizes import CUDA_BLOCK_BYTES, format_bytes
 
 
@@ -118,7 +118,7 @@ def estimate_training_memory(model: nn.Module, optimizer: torch.optim.Optimizer,
     inputs, targets = _example_parts(example_batch)
     if not isinstance(inputs, torch.Tensor) or (targets is not None and not isinstance(targets, torch.Tensor)):
         raise TypeError("example_batch must hold tensors: inputs, or (inputs, targets)")
-    ledger = _Ledger(block_bytes)
+    ledger = StorageLedger(block_bytes)
     count = ledger.count
     notes: list[str] = []
     try:
@@ -198,23 +198,18 @@ def _fake_training_run(model, optimizer, inputs, targets, loss_fn, autocast_dtyp
         grads_at_peak[0] = sum(ledger.count(p.grad.untyped_storage().nbytes())
                                for p in fake_params if p.grad is not None)
 
-    mode = _TrackingMode(ledger, count_meta=True, on_peak=on_peak)
+    mode = AllocationTracker(ledger, count_meta=True, on_peak=on_peak)
     device_type = inputs.device.type
 
     with fm, mode:
         def register(ts):
-            before = ledger.allocated
-            for t in ts:
-                st = t.untyped_storage()
-                if st._cdata not in ledger.live and st.nbytes():
-                    ledger.add(st, st._cdata, ledger.count(st.nbytes()))
-            return ledger.allocated - before
+            return sum(ledger.track(t.untyped_storage()) for t in ts)
 
         result["params"] = register(fake_of.values())
         result["batch"] = register([t for t in (fake_inputs, fake_targets) if t is not None])
-        missing = [id(p) for p in _optimizer_params(optimizer) if id(p) not in fake_of]
+        missing = [id(p) for p in optimizer_params(optimizer) if id(p) not in fake_of]
         for pid in missing:  # optimizer parameters that are not the model's
-            p = next(q for q in _optimizer_params(optimizer) if id(q) == pid)
+            p = next(q for q in optimizer_params(optimizer) if id(q) == pid)
             fake_of[pid] = fm.from_tensor(p)
         try:
             fake_opt = _fake_optimizer(optimizer, fake_of)
@@ -248,13 +243,13 @@ def _fake_training_run(model, optimizer, inputs, targets, loss_fn, autocast_dtyp
         zero_grad()
         base = ledger.allocated
         result["state"] = base - result["params"] - result["batch"]
-        ledger.peak = base
+        ledger.reset_peak()
         grads_at_peak[0] = 0
         loss = forward_backward()
         result["fb_peak"] = ledger.peak - base
         result["grads_at_peak"] = grads_at_peak[0]
         before_step = ledger.allocated
-        ledger.peak = before_step
+        ledger.reset_peak()
         if fake_opt is not None:
             fake_opt.step()
         result["step_tmp"] = ledger.peak - before_step

@@ -1,4 +1,9 @@
-"""`SimulatedGPU`: a GPU-sized memory budget on the CPU, counted from live tensor storages."""
+"""`SimulatedGPU`: a GPU-sized memory budget on the CPU, counted from live tensor storages.
+
+The counting machinery is public for the other modules of `course_utils.memory` (the estimator runs
+it on fake tensors): `StorageLedger` (live storages and their bytes), `AllocationTracker` (the
+dispatch mode that feeds a ledger) and `optimizer_params(optimizer)`.
+"""
 from __future__ import annotations
 
 import math
@@ -15,14 +20,20 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from .sizes import CUDA_BLOCK_BYTES, BytesLike, _round_up, format_bytes, parse_bytes
 
+__all__ = [
+    "AllocationTracker", "MemoryBreakdown", "PeakReading", "SimulatedGPU", "SimulatedOutOfMemoryError",
+    "StorageLedger", "active_simulated_gpu", "optimizer_params",
+]
 
 # --- the storage ledger: live storages and their bytes -------------------------------------
 
-class _Ledger:
+class StorageLedger:
     """Live storages (by StorageImpl address) -> counted bytes, with current and peak totals.
 
-    A weak reference per storage, with a callback, removes it when the storage dies: PyTorch keeps
-    a storage's Python object alive exactly as long as the C++ storage, so this sees every free.
+    `allocated` is the counted total now, `peak` the highest total since `reset_peak()`. Each storage
+    counts `count(nbytes)`: its size rounded up to `block` bytes. A weak reference per storage, with a
+    callback, removes it when the storage dies: PyTorch keeps a storage's Python object alive exactly
+    as long as the C++ storage, so this sees every free.
     """
 
     def __init__(self, block: int):
@@ -32,7 +43,21 @@ class _Ledger:
         self.peak = 0
 
     def count(self, nbytes: int) -> int:
+        """Bytes charged for a storage of `nbytes`: rounded up to the block size."""
         return _round_up(nbytes, self.block)
+
+    def track(self, st: torch.UntypedStorage) -> int:
+        """Count `st` if it is not counted yet and not empty; return the bytes added (0 if none)."""
+        n = st.nbytes()
+        if n == 0 or st._cdata in self.live:
+            return 0
+        counted = self.count(n)
+        self.add(st, st._cdata, counted)
+        return counted
+
+    def reset_peak(self) -> None:
+        """Start a new peak from the current total."""
+        self.peak = self.allocated
 
     def add(self, st: torch.UntypedStorage, key: int, counted: int) -> None:
         self.live[key] = [counted, weakref.ref(st, partial(self._release, key))]
@@ -89,8 +114,12 @@ def _op_info(func) -> tuple[tuple[bool, ...], tuple[tuple[int, str, bool], ...]]
     return info
 
 
-class _TrackingMode(TorchDispatchMode):
-    """Counts storages that operators create or grow; asks `check(grown, before)` after each op.
+class AllocationTracker(TorchDispatchMode):
+    """While entered, counts in `ledger` the storages that operators create or grow, and asks
+    `check(grown, before)` after each op that grew the total (it may raise to refuse the allocation);
+    `on_peak()` is called when the total reaches a new peak. Storages on the meta device (fake
+    tensors) are counted only with `count_meta=True`; `precheck_resize(grown, before)` runs before a
+    `resize_` that would grow a storage. Setting `paused` stops counting new storages.
 
     - a new output storage is counted once; views share their base's storage and add nothing;
     - in-place and `out=` ops (schema arguments marked as written) are checked for growth, which
@@ -98,7 +127,7 @@ class _TrackingMode(TorchDispatchMode):
     - an output that shares an input's storage without saying so (e.g. `_unsafe_view`) is not new.
     """
 
-    def __init__(self, ledger: _Ledger, check: Callable[[int, int], None] | None = None,
+    def __init__(self, ledger: StorageLedger, check: Callable[[int, int], None] | None = None,
                  count_meta: bool = False, on_peak: Callable[[], None] | None = None,
                  precheck_resize: Callable[[int, int], None] | None = None):
         super().__init__()
@@ -241,9 +270,13 @@ def _state_tensors(optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
             todo.extend(v)
 
 
-def _optimizer_params(optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
+def optimizer_params(optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
+    """Every parameter `optimizer` updates, group by group (a parameter in two groups comes twice)."""
     for group in optimizer.param_groups:
         yield from group["params"]
+
+
+_optimizer_params = optimizer_params  # old name, still imported by batch_size.py; remove once it is not
 
 
 def _role_tensors(modules: Iterable[nn.Module], optimizers: Iterable[torch.optim.Optimizer]):
@@ -254,7 +287,7 @@ def _role_tensors(modules: Iterable[nn.Module], optimizers: Iterable[torch.optim
         params.extend(m.buffers())
     optimizers = list(optimizers)
     for opt in optimizers:
-        params.extend(_optimizer_params(opt))
+        params.extend(optimizer_params(opt))
     grads = [p.grad for p in params if isinstance(p, torch.Tensor) and p.grad is not None]
     state = [t for opt in optimizers for t in _state_tensors(opt)]
     return params, grads, state
@@ -271,6 +304,13 @@ class SimulatedOutOfMemoryError(torch.OutOfMemoryError):
         self.requested = requested
         self.allocated = allocated
         self.budget = budget
+
+
+@dataclass
+class PeakReading:
+    """Filled in by `SimulatedGPU.measure_peak()` when its block ends: `bytes` is the highest
+    `memory_allocated()` inside the block (what was allocated when it began included); None until then."""
+    bytes: int | None = None
 
 
 _ACTIVE: list["SimulatedGPU"] = []  # entered SimulatedGPUs, innermost last
@@ -316,10 +356,10 @@ class SimulatedGPU:
             raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
         if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
-        self._ledger = _Ledger(block_bytes)
+        self._ledger = StorageLedger(block_bytes)
         self._modules: list[nn.Module] = [model] if model is not None else []
         self._optimizers: list[torch.optim.Optimizer] = [optimizer] if optimizer is not None else []
-        self._mode: _TrackingMode | None = None
+        self._mode: AllocationTracker | None = None
         self.oom_count = 0
 
     # context
@@ -327,8 +367,7 @@ class SimulatedGPU:
         if self._mode is not None:
             raise RuntimeError("this SimulatedGPU is already active; nest a new SimulatedGPU instead")
         self._track_objects(self._modules + self._optimizers, remember=False)
-        self._mode = _TrackingMode(self._ledger, check=self._check,
-                                   precheck_resize=self._check)
+        self._mode = AllocationTracker(self._ledger, check=self._check, precheck_resize=self._check)
         self._mode.__enter__()
         _ACTIVE.append(self)
         return self
@@ -364,10 +403,30 @@ class SimulatedGPU:
         return max(self._ledger.peak, self._ledger.allocated)
 
     def reset_peak_memory_stats(self) -> None:
-        self._ledger.peak = self._ledger.allocated
+        """Start `max_memory_allocated()` again from `memory_allocated()`."""
+        self._ledger.reset_peak()
 
-    def memory_free(self) -> int:
-        return self.budget - self._ledger.allocated
+    @contextmanager
+    def measure_peak(self) -> Iterator[PeakReading]:
+        """Peak allocated bytes inside the block (reading.bytes, set when the block exits, also on error);
+        afterwards the GPU's own max_memory_allocated() is max(its peak before the block, the block's peak).
+
+            with gpu.measure_peak() as reading:
+                train_step()
+            print(format_bytes(reading.bytes))
+
+        Unlike `reset_peak_memory_stats()`, it leaves the GPU's peak as if nothing had been reset, so
+        blocks can be measured (and nested) without losing the overall peak.
+        """
+        ledger = self._ledger
+        before = self.max_memory_allocated()
+        ledger.reset_peak()
+        reading = PeakReading()
+        try:
+            yield reading
+        finally:
+            reading.bytes = max(ledger.peak, ledger.allocated)
+            ledger.peak = max(before, reading.bytes)
 
     def breakdown(self) -> MemoryBreakdown:
         """Live bytes by role, classified now: parameters and buffers of the known models and
