@@ -4,7 +4,8 @@ Import what you need from the submodules (`course_utils.data`, `.models`, `.memo
 `.monitor`, `.timing`, `.exercises`); the most used names are also available here.
 Importing this package starts no threads, initialises no GPU and prints nothing.
 """
-from .device import describe_environment, get_device
+from .device import get_device
+from .environment import describe_environment
 from .trainer import Callback, Trainer
 
 __all__ = ["get_device", "describe_environment", "Trainer", "Callback"]

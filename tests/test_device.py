@@ -84,3 +84,63 @@ def test_real_report_on_this_machine_is_consistent():
         assert report.steps and "Diagnosis for this machine" in text
     assert report.device == get_device()
     assert n.available or n.error
+
+
+class FakeDriver:
+    """The part of pynvml that query_nvml reads, as an older binding answers it (bytes)."""
+
+    def __init__(self, names=(b"NVIDIA A100-SXM4-40GB", b"NVIDIA A100-SXM4-40GB"), init_error=None):
+        self.names, self.init_error, self.calls = list(names), init_error, []
+
+    def nvmlInit(self):
+        self.calls.append("init")
+        if self.init_error is not None:
+            raise self.init_error
+
+    def nvmlShutdown(self):
+        self.calls.append("shutdown")
+
+    def nvmlSystemGetDriverVersion(self):
+        return b"550.54.14"
+
+    def nvmlSystemGetCudaDriverVersion(self):
+        return 12040
+
+    def nvmlDeviceGetCount(self):
+        return len(self.names)
+
+    def nvmlDeviceGetHandleByIndex(self, i):
+        return i
+
+    def nvmlDeviceGetUUID(self, h):
+        return f"GPU-{h:08d}-0000-0000-0000-000000000000".encode()
+
+    def nvmlDeviceGetName(self, h):
+        return self.names[h]
+
+
+def test_query_nvml_reads_the_driver_through_one_init_shutdown_pair():
+    fake = FakeDriver()
+    info = query_nvml(fake)
+    assert info == NvmlInfo(True, driver_version="550.54.14", cuda_driver_version=(12, 4),
+                            gpus=["NVIDIA A100-SXM4-40GB"] * 2)
+    assert fake.calls == ["init", "shutdown"]
+    import pynvml
+
+    failed = FakeDriver(init_error=pynvml.NVMLError_DriverNotLoaded())
+    info = query_nvml(failed)
+    assert not info.available and "Driver Not Loaded" in info.error and failed.calls == ["init"]
+
+
+def test_device_choice_and_diagnosis_do_not_import_the_monitor():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = ("import sys, course_utils.device, course_utils.environment, course_utils.nvml; "
+            "assert not [m for m in sys.modules if m.startswith('course_utils.monitor')]; "
+            "from course_utils.device import describe_environment, diagnose, query_nvml; "
+            "from course_utils.environment import describe_environment as d; assert d is describe_environment")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                            cwd=Path(__file__).resolve().parents[1])
+    assert result.returncode == 0, result.stderr

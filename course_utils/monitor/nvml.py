@@ -1,4 +1,4 @@
-"""The whole GPU as the NVIDIA driver reports it, through NVML (the `nvidia-ml-py` package).
+"""The whole GPU as the NVIDIA driver reports it, through NVML (read with `course_utils.nvml`).
 
 NVML sees every process on the GPU, unlike PyTorch's allocator which sees only this kernel. Three
 things make it fiddly, and are handled here:
@@ -14,58 +14,15 @@ things make it fiddly, and are handled here:
 from __future__ import annotations
 
 import os
-import threading
-from dataclasses import dataclass
 from typing import Any, Callable
 
-_INIT_LOCK = threading.Lock()
-_INIT_RESULTS: dict[int, tuple[Any, str | None]] = {}  # id(module) -> (module, None or error text)
+from ..nvml import NvmlDevice, device_name, list_devices, load, normalize_uuid
+from ..nvml import init_once as nvml_init
+
+__all__ = ["NvmlSource", "normalize_uuid", "nvml_init"]
 
 # Readings that belong to the physical chip: on a MIG slice they are read from the parent GPU.
 _CHIP_FIELDS = frozenset({"temperature", "power", "power_limit"})
-
-
-def nvml_init(nvml) -> str | None:
-    """Initialise NVML once per process; return None on success, else the error text (also cached).
-
-    NVML reference-counts nvmlInit/nvmlShutdown, so other code doing its own init/shutdown pair
-    (e.g. `course_utils.device.query_nvml`) does not pull the library out from under the monitor.
-    """
-    with _INIT_LOCK:
-        key = id(nvml)
-        if key not in _INIT_RESULTS:
-            try:
-                nvml.nvmlInit()
-                _INIT_RESULTS[key] = (nvml, None)
-            except nvml.NVMLError as exc:  # LibraryNotFound, DriverNotLoaded, NoPermission, ...
-                _INIT_RESULTS[key] = (nvml, str(exc) or type(exc).__name__)
-        return _INIT_RESULTS[key][1]
-
-
-def normalize_uuid(uuid: str | bytes) -> str:
-    """'GPU-8a1f…' / 'MIG-…' (NVML) and '8a1f…' (PyTorch) to one comparable form: lower case, no prefix."""
-    text = uuid.decode() if isinstance(uuid, bytes) else str(uuid)
-    text = text.strip().lower()
-    for prefix in ("gpu-", "mig-"):
-        if text.startswith(prefix):
-            return text[len(prefix):]
-    return text
-
-
-def _text(value) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
-
-
-@dataclass
-class _Device:
-    handle: Any
-    uuid: str              # as NVML gives it, e.g. "GPU-…" or "MIG-…"
-    index: int | None      # NVML index of a physical GPU; None for a MIG slice
-    parent: Any = None     # the physical GPU's handle, for a MIG slice
-
-    @property
-    def mig(self) -> bool:
-        return self.parent is not None
 
 
 class NvmlSource:
@@ -81,47 +38,25 @@ class NvmlSource:
                  environ: dict | None = None):
         from .torch_source import cuda_index, torch_device_uuid
 
-        if nvml is None:
-            import pynvml as nvml  # nvidia-ml-py; importing only defines ctypes wrappers
-        self.nvml = nvml
+        self.nvml = load() if nvml is None else nvml
         self.index = cuda_index(device)
         self.reason: str | None = None
         self._environ = os.environ if environ is None else environ
         self._torch_uuid = torch_uuid or (lambda: torch_device_uuid(self.index or 0))
-        self._devices: list[_Device] | None = None
-        self._target: _Device | None = None
+        self._devices: list[NvmlDevice] | None = None
+        self._target: NvmlDevice | None = None
         self._match: str | None = None
         self._names: dict[str, str | None] = {}
         self._unsupported: set[str] = set()
         self._from_parent: set[str] = set()
 
     # --- which NVML device is ours -------------------------------------------------------
-    def _enumerate(self) -> list[_Device]:
-        nv = self.nvml
-        devices = []
-        for i in range(nv.nvmlDeviceGetCount()):
-            handle = nv.nvmlDeviceGetHandleByIndex(i)
-            devices.append(_Device(handle, _text(nv.nvmlDeviceGetUUID(handle)), i))
-            try:
-                current, _pending = nv.nvmlDeviceGetMigMode(handle)
-            except nv.NVMLError:  # NotSupported on GPUs without MIG
-                continue
-            if current != nv.NVML_DEVICE_MIG_ENABLE:
-                continue
-            for j in range(nv.nvmlDeviceGetMaxMigDeviceCount(handle)):
-                try:
-                    mig = nv.nvmlDeviceGetMigDeviceHandleByIndex(handle, j)
-                except nv.NVMLError:  # NotFound: an empty slot
-                    continue
-                devices.append(_Device(mig, _text(nv.nvmlDeviceGetUUID(mig)), None, parent=handle))
-        return devices
-
-    def _resolve(self) -> tuple[_Device | None, str | None]:
+    def _resolve(self) -> tuple[NvmlDevice | None, str | None]:
         """(device, how it was matched) or (None, None) with self.reason set."""
         if self._match == "uuid":
             return self._target, self._match  # fixed for good once matched by UUID
         if self._devices is None:
-            self._devices = self._enumerate()
+            self._devices = list_devices(self.nvml)
         devices = self._devices
         physical = [d for d in devices if not d.mig]
         wanted = self.index or 0
@@ -162,7 +97,7 @@ class NvmlSource:
         return None, None
 
     # --- readings ------------------------------------------------------------------------
-    def _read(self, key: str, fn: Callable[[Any], Any], device: _Device):
+    def _read(self, key: str, fn: Callable[[Any], Any], device: NvmlDevice):
         """One reading; None when unsupported (remembered) or failing right now."""
         nv = self.nvml
         if key in self._unsupported:
@@ -196,7 +131,7 @@ class NvmlSource:
         self._target, self._match, self.reason = device, match, None
         if device.uuid not in self._names:
             try:
-                self._names[device.uuid] = _text(nv.nvmlDeviceGetName(device.handle))
+                self._names[device.uuid] = device_name(nv, device.handle)
             except nv.NVMLError:
                 self._names[device.uuid] = None
         memory = self._read("memory", nv.nvmlDeviceGetMemoryInfo, device)
