@@ -3,7 +3,8 @@
 1. The committed (learner) notebook contains each exercise's blank exactly once, in the cell that checks it.
 2. The blank, run as written, is reported "not attempted".
 3. The reference solution passes.
-4. Every listed common mistake is rejected with its intended feedback.
+4. Every exercise lists at least three common mistakes (wrong answers as a learner writes them), and each is
+   rejected with feedback that names the mistake.
 5. Fuzz: whatever the answer (None, wrong types, raising or slow callables), a checker gives feedback
    and never raises or hangs.
 """
@@ -73,7 +74,7 @@ def test_solution_passes(ex_id):
 @pytest.mark.parametrize("ex_id", IDS)
 def test_common_mistakes_get_their_feedback(ex_id):
     ex = REGISTRY[ex_id]
-    assert ex.mistakes, f"{ex_id} lists no common mistakes"
+    assert len(ex.mistakes) >= 3, f"{ex_id} lists {len(ex.mistakes)} common mistakes; every exercise needs three"
     assert ex.hints, f"{ex_id} has no hints"
     for mistake in ex.mistakes:
         result = evaluate(ex_id, run(ex, mistake.code))

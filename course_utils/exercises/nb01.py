@@ -100,6 +100,12 @@ def _check_running_mean_class(RunningMean):
     if outs == [2.0, 4.0, 9.0]:
         raise Incorrect("the calls with 2, 4, 9 returned 2, 4, 9 (each latest value): likely mistake: the state "
                         "is reset inside __call__ instead of kept on self between calls")
+    if all(_close(a, b) for a, b in zip(outs, [2.0, 6.0, 15.0])):
+        raise Incorrect("the calls with 2, 4, 9 returned 2, 6, 15, the running total: likely mistake: self.count "
+                        "is never increased, so the total is divided by 1 (or not at all)")
+    if all(_close(a, b) for a, b in zip(outs[1:], [2.0, 3.0])):
+        raise Incorrect(f"the calls with 2, 4, 9 returned {outs}: each call returns the mean before x was added: "
+                        "likely mistake: the mean is computed before self.total and self.count are updated")
     if not all(_close(a, b) for a, b in zip(outs, [2.0, 3.0, 5.0])):
         raise Incorrect(f"calling with 2, then 4, then 9 should return 2, 3, 5 (the mean so far), got {outs}")
     fresh = _as_float(call(call(RunningMean, name="RunningMean"), 10, name="running_mean"), "running_mean(10)")
@@ -130,6 +136,11 @@ register(Exercise(
         Mistake("class RunningMean:\n    total = 0.0\n    count = 0\n\n    def __call__(self, x):\n"
                 "        RunningMean.total += x\n        RunningMean.count += 1\n"
                 "        return RunningMean.total / RunningMean.count\n", "lives on the class"),
+        Mistake(_RM_HEAD + "\n    def __call__(self, x):\n        self.total += x\n        return self.total / max(self.count, 1)\n",
+                "self.count is never increased"),
+        Mistake(_RM_HEAD + ("\n    def __call__(self, x):\n        mean = self.total / self.count if self.count else x\n"
+                            "        self.total += x\n        self.count += 1\n        return mean\n"),
+                "computed before self.total and self.count are updated"),
     ],
 ))
 

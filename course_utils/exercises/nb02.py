@@ -165,11 +165,14 @@ def _check_mlp(MLP):
     layers = getattr(model, "layers", None)
     n_params = sum(p.numel() for p in model.parameters())
     expected = 4 * 8 + 8 + 8 * 3 + 3  # two Linear layers: weights and biases
-    if isinstance(layers, (list, tuple, dict)):
+    if layers is None:
+        raise Incorrect("MLP([4, 8, 3]) has no attribute `layers`: likely mistake: the layers were assigned to a local "
+                        "variable; assign them to self.layers (forward reads self.layers)")
+    if isinstance(layers, (list, tuple, dict)) and n_params != expected:
         raise Incorrect(f"self.layers is a plain Python {type(layers).__name__}, so model.parameters() holds "
                         f"{n_params} elements instead of {expected}: likely mistake: nn.Module registers only "
                         "modules assigned directly as attributes; wrap the layers in nn.ModuleList")
-    if not isinstance(layers, nn.Module):
+    if not isinstance(layers, (nn.Module, list, tuple, dict)):
         raise Incorrect(f"self.layers should hold the Linear layers (an nn.ModuleList), got {describe(layers)}")
     if n_params != expected:
         raise Incorrect(f"MLP([4, 8, 3]) has {n_params} parameter elements; Linear(4, 8) and Linear(8, 3) "
@@ -214,6 +217,8 @@ register(Exercise(
                 "nn.ModuleList"),
         Mistake(_mlp("        self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in zip(sizes, sizes[1:]))\n",
                      with_super=False), "super().__init__() is missing"),
+        Mistake(_mlp("        layers = nn.ModuleList(nn.Linear(a, b) for a, b in zip(sizes, sizes[1:]))\n"),
+                "local variable"),
     ],
 ))
 
@@ -233,6 +238,10 @@ def _check_normalize(Normalize):
     params = dict(model.named_parameters())
     buffers = dict(model.named_buffers())
     if {"mean", "std"} & set(params):
+        if not any(p.requires_grad for p in params.values()):
+            raise Incorrect("mean/std are frozen nn.Parameters: likely mistake: requires_grad=False stops the "
+                            "gradients, but they are still parameters (in parameters(), handed to the optimizer, "
+                            "counted as weights); register them as buffers")
         raise Incorrect("mean/std are nn.Parameters: likely mistake: that makes them trainable (the optimizer "
                         "would change them, and they show up in parameters()); register them as buffers")
     plain = [n for n in ("mean", "std") if isinstance(vars(model).get(n), torch.Tensor)]
@@ -277,6 +286,10 @@ register(Exercise(
         Mistake(_normalize("        self.mean = mean\n        self.std = std\n"), "register_buffer"),
         Mistake(_normalize("        self.mean = nn.Parameter(mean)\n        self.std = nn.Parameter(std)\n"),
                 "trainable"),
+        Mistake(_normalize("        self.register_buffer(\"mean\", mean, persistent=False)\n"
+                           "        self.register_buffer(\"std\", std, persistent=False)\n"), "persistent=True"),
+        Mistake(_normalize("        self.mean = nn.Parameter(mean, requires_grad=False)\n"
+                           "        self.std = nn.Parameter(std, requires_grad=False)\n"), "frozen nn.Parameters"),
     ],
 ))
 
@@ -285,6 +298,17 @@ register(Exercise(
 
 def _probe_model() -> nn.Module:
     return nn.Sequential(nn.Linear(6, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Dropout(0.5), nn.Linear(16, 3))
+
+
+class _FailingForward(nn.Module):
+    """A model whose forward raises, as a real one can (a shape mismatch, an out-of-memory error)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(6, 3)
+
+    def forward(self, x):
+        raise RuntimeError("the checker's model failed in forward on purpose")
 
 
 def _check_predict(predict):
@@ -319,6 +343,19 @@ def _check_predict(predict):
                         "restore the mode the model had (model.train(was_training)), not always train()")
     if not isinstance(again, torch.Tensor) or not torch.equal(again, out):
         raise Incorrect("two calls of predict on the same input gave different outputs")
+    failing = _FailingForward().train()
+    try:
+        call(predict, failing, x, name="predict", check_mutation=False)
+        raised = False
+    except Incorrect:
+        raised = True  # the error came through, as it should
+    if not raised:
+        raise Incorrect("given a model whose forward raises, predict returned normally: it hid the error; let it "
+                        "propagate (restore the mode in a `finally` block, without an `except` that swallows it)")
+    if not failing.training:
+        raise Incorrect("when forward raised, predict left the model in eval mode although it was in training "
+                        "mode: likely mistake: the mode is restored after model(x), which an exception skips; "
+                        "restore it in a `finally` block")
     return "eval() switched Dropout and BatchNorm, inference_mode() skipped the graph, and the mode was restored"
 
 
@@ -349,6 +386,13 @@ register(Exercise(
                 "restore it"),
         Mistake(_PREDICT_DOC + ("    model.eval()\n    with torch.inference_mode():\n        out = model(x)\n"
                                 "    model.train()\n    return out\n"), "not always train()"),
+        Mistake(_PREDICT_DOC + ("    was_training = model.training\n    model.eval()\n"
+                                "    with torch.inference_mode():\n        out = model(x)\n"
+                                "    model.train(was_training)\n    return out\n"), "`finally` block"),
+        Mistake(_PREDICT_DOC + ("    was_training = model.training\n    model.eval()\n    try:\n"
+                                "        with torch.inference_mode():\n            return model(x)\n"
+                                "    except Exception as error:\n        print(\"predict failed:\", error)\n"
+                                "    finally:\n        model.train(was_training)\n"), "hid the error"),
     ],
 ))
 

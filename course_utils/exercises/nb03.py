@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import io
 import zipfile
+from collections import OrderedDict
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -85,10 +87,23 @@ register(Exercise(
 
 # --- 03.2 move a nested batch -----------------------------------------------------------------
 
+class Boxes(NamedTuple):
+    """A namedtuple in a batch, as detection datasets return: its fields are passed by position."""
+    xyxy: torch.Tensor
+    scores: torch.Tensor
+
+
 def _sample_batch() -> dict:
     gen = torch.Generator().manual_seed(1)
     return {"image": torch.rand(2, 3, 4, 4, generator=gen), "label": torch.tensor([3, 1]),
-            "extra": [torch.ones(2), "id-7", 3], "pair": (torch.zeros(2, 1), torch.arange(2))}
+            "extra": [torch.ones(2), "id-7", 3], "pair": (torch.zeros(2, 1), torch.arange(2)),
+            "boxes": Boxes(torch.rand(2, 4, generator=gen), torch.tensor([0.9, 0.4])),
+            "meta": OrderedDict(scale=torch.tensor(0.5), name="batch-0")}
+
+
+def _leaves(batch: dict) -> list:
+    return [batch["image"], batch["label"], batch["extra"][0], batch["pair"][0], batch["pair"][1],
+            batch["boxes"][0], batch["boxes"][1], batch["meta"]["scale"]]
 
 
 def _compare(moved, original, where: str, device: torch.device) -> None:
@@ -105,6 +120,10 @@ def _compare(moved, original, where: str, device: torch.device) -> None:
         return
     if isinstance(original, (list, tuple, dict)):
         if type(moved) is not type(original):
+            if isinstance(original, OrderedDict):
+                raise Incorrect(f"{where} was an OrderedDict and came back as {describe(moved)}: likely mistake: a "
+                                "dict comprehension always builds a plain dict; build the same type, e.g. "
+                                "type(batch)((key, ...) for key, value in batch.items())")
             raise Incorrect(f"{where} was a {type(original).__name__} and came back as {describe(moved)}: "
                             "keep each container's type (tuple stays tuple, list stays list)")
         if isinstance(original, dict):
@@ -125,20 +144,24 @@ def _compare(moved, original, where: str, device: torch.device) -> None:
 
 def _check_move_batch(move_batch):
     batch = _sample_batch()
-    leaves = [batch["image"], batch["label"], batch["extra"][0], batch["pair"][0], batch["pair"][1]]
-    extra = batch["extra"]
+    leaves = _leaves(batch)
+    before = leaves + [batch[key] for key in ("extra", "pair", "boxes", "meta")]
     target = torch.device("meta")  # every machine has it: the tensors really change device
     try:
         out = call(move_batch, batch, target, name="move_batch", check_mutation=False)
     except Incorrect as exc:
+        what = str(exc).split(" raised ", 1)[-1]
         if "has no attribute 'to'" in str(exc):
-            what = str(exc).split(" raised ", 1)[-1]
             raise Incorrect(f"move_batch raised {what}: likely mistake: .to() was called on something that is not "
                             "a tensor; recurse into lists, tuples and dicts, and return anything else unchanged"
                             ) from None
+        if "missing 1 required positional argument" in str(exc):
+            raise Incorrect(f"move_batch raised {what}: likely mistake: batch['boxes'] is a namedtuple, whose "
+                            "constructor takes the fields as separate arguments, not one iterable: for a "
+                            "namedtuple write type(batch)(*items)") from None
         raise
-    now = [batch["image"], batch["label"], batch["extra"][0], batch["pair"][0], batch["pair"][1]]
-    if any(a is not b for a, b in zip(leaves, now)) or batch["extra"] is not extra:
+    now = _leaves(batch) + [batch[key] for key in ("extra", "pair", "boxes", "meta")]
+    if any(a is not b for a, b in zip(before, now)):
         raise Incorrect("move_batch changed the caller's batch in place (its dict or list now holds the moved "
                         "tensors); build new containers and leave the input as it was")
     if out is None:
@@ -161,16 +184,21 @@ register(Exercise(
     solution=_MOVE_DOC + (
         "    if isinstance(batch, torch.Tensor):\n"
         "        return batch.to(device)\n"
+        "    if isinstance(batch, tuple) and hasattr(batch, \"_fields\"):  # a namedtuple: fields by position\n"
+        "        return type(batch)(*(move_batch(item, device) for item in batch))\n"
         "    if isinstance(batch, (list, tuple)):\n"
         "        return type(batch)(move_batch(item, device) for item in batch)\n"
-        "    if isinstance(batch, dict):\n"
-        "        return {key: move_batch(value, device) for key, value in batch.items()}\n"
+        "    if isinstance(batch, dict):  # dict, OrderedDict, ...: the same type, built from pairs\n"
+        "        return type(batch)((key, move_batch(value, device)) for key, value in batch.items())\n"
         "    return batch\n"),
     setup="import torch\n",
     checker=_check_move_batch,
     hints=["Handle four cases: a tensor (move it), a list or tuple, a dict, anything else (return it as is).",
            "For the containers, call move_batch on each item: that handles any depth of nesting.",
-           "type(batch)(... for item in batch) rebuilds a list as a list and a tuple as a tuple."],
+           "type(batch)(... for item in batch) rebuilds a list as a list and a tuple as a tuple, and "
+           "type(batch)((key, value) ...) a dict or an OrderedDict as what it was.",
+           "A namedtuple is a tuple with `_fields`; its constructor takes one argument per field: "
+           "type(batch)(*items)."],
     mistakes=[
         Mistake("def move_batch(batch, device):\n    return {k: v.to(device) for k, v in batch.items()}\n",
                 "recurse into lists"),
@@ -196,6 +224,24 @@ register(Exercise(
                 "    if isinstance(batch, tuple):\n"
                 "        return tuple(move_batch(item, device) for item in batch)\n"
                 "    return batch\n", "in place"),
+        Mistake("def move_batch(batch, device):\n"
+                "    if isinstance(batch, torch.Tensor):\n"
+                "        return batch.to(device)\n"
+                "    if isinstance(batch, (list, tuple)):\n"
+                "        return type(batch)(move_batch(item, device) for item in batch)\n"
+                "    if isinstance(batch, dict):\n"
+                "        return {key: move_batch(value, device) for key, value in batch.items()}\n"
+                "    return batch\n", "namedtuple"),
+        Mistake("def move_batch(batch, device):\n"
+                "    if isinstance(batch, torch.Tensor):\n"
+                "        return batch.to(device)\n"
+                "    if isinstance(batch, tuple) and hasattr(batch, '_fields'):\n"
+                "        return type(batch)(*(move_batch(item, device) for item in batch))\n"
+                "    if isinstance(batch, (list, tuple)):\n"
+                "        return type(batch)(move_batch(item, device) for item in batch)\n"
+                "    if isinstance(batch, dict):\n"
+                "        return {key: move_batch(value, device) for key, value in batch.items()}\n"
+                "    return batch\n", "dict comprehension always builds a plain dict"),
     ],
 ))
 

@@ -13,6 +13,7 @@ import time
 import torch
 from torch import nn
 
+from ._sync import HostReads, on_device
 from .core import Exercise, Incorrect, Mistake, call, describe, register
 
 
@@ -35,6 +36,7 @@ class _SimulatedGPU:
         self.launches = 0
         self.pending: list[int] = []
         self.done: dict[int, float] = {}  # call index -> seconds its sync actually waited (alone in the queue)
+        self.waited_for: list[list[int]] = []  # the calls each sync() waited for
 
     def launch(self) -> None:
         k = self.launches
@@ -48,14 +50,15 @@ class _SimulatedGPU:
         t0 = time.perf_counter()
         time.sleep(seconds)
         waited = time.perf_counter() - t0
+        self.waited_for.append(list(self.pending))
         if len(self.pending) == 1:
             self.done[self.pending[0]] = waited
         self.pending.clear()
 
 
 # warm-up calls are slow (first-call costs); one timed call is an outlier that drags a mean upwards
-_WORK = [0.030, 0.030, 0.004, 0.004, 0.040, 0.004, 0.004]
-_WARMUP, _REPEATS = 2, 5
+_WORK = [0.030, 0.030, 0.030, 0.004, 0.004, 0.040, 0.004, 0.004]
+_WARMUP, _REPEATS = 3, 5
 
 
 def _check_median_time(median_time):
@@ -72,10 +75,27 @@ def _check_median_time(median_time):
         raise Incorrect(f"median_time returned {seconds * 1e6:.0f} us, but each call queues at least 4 ms of work: "
                         "likely mistake: the clock was read before sync() returned, so you timed the launch, not "
                         "the work. Call sync() after fn() and before reading the clock")
+    if gpu.pending:
+        raise Incorrect("the work of the last call was never waited for: likely mistake: sync() runs before fn() "
+                        "instead of after it, so each time ends before its own work is done (and includes the "
+                        "previous call's). Per timed call: read the clock, fn(), sync(), read the clock")
+    if any(min(group) < _WARMUP <= max(group) for group in gpu.waited_for):
+        raise Incorrect("the first timed sync() also waited for the warm-up's queued work: likely mistake: no "
+                        "sync() after the warm-up calls, so the first timed call includes them. Call sync() once "
+                        "after the warm-up, before the first clock read")
     timed = [gpu.done[k] for k in range(_WARMUP, _WARMUP + _REPEATS) if k in gpu.done]
     if len(timed) != _REPEATS:
-        raise Incorrect("each timed call should be followed by its own sync() (fn(), sync(), read the clock)")
+        raise Incorrect("each timed call should be followed by its own sync() (fn(), sync(), read the clock): "
+                        "one sync() after several calls times them together")
     median, mean = statistics.median(timed), statistics.fmean(timed)
+    every = [gpu.done[k] for k in range(_WARMUP + _REPEATS) if k in gpu.done]
+    if len(every) == _WARMUP + _REPEATS:
+        with_warmup = statistics.median(every)
+        if abs(seconds - with_warmup) < abs(seconds - median):
+            raise Incorrect(f"median_time returned {seconds * 1e3:.1f} ms, the median of the warm-up and the timed "
+                            f"calls together ({with_warmup * 1e3:.1f} ms), not of the timed ones "
+                            f"({median * 1e3:.1f} ms): likely mistake: the warm-up calls are timed too; leave them "
+                            "out of the times")
     if abs(seconds - mean) < abs(seconds - median):
         raise Incorrect(f"median_time returned {seconds * 1e3:.1f} ms, close to the mean of the timed calls "
                         f"({mean * 1e3:.1f} ms), not their median ({median * 1e3:.1f} ms): likely mistake: the mean; "
@@ -139,25 +159,49 @@ register(Exercise(
             "        sync()\n"
             "        times.append(time.perf_counter() - start)\n"
             "    return sum(times) / len(times)\n"), "the mean"),
+        Mistake(_TIME_DOC + (
+            "    for _ in range(warmup):\n"
+            "        fn()\n"
+            "    times = []\n"
+            "    for _ in range(repeats):\n"
+            "        start = time.perf_counter()\n"
+            "        fn()\n"
+            "        sync()\n"
+            "        times.append(time.perf_counter() - start)\n"
+            "    return statistics.median(times)\n"), "no sync() after the warm-up"),
+        Mistake(_TIME_DOC + (
+            "    for _ in range(warmup):\n"
+            "        fn()\n"
+            "    sync()\n"
+            "    times = []\n"
+            "    for _ in range(repeats):\n"
+            "        start = time.perf_counter()\n"
+            "        sync()\n"
+            "        fn()\n"
+            "        times.append(time.perf_counter() - start)\n"
+            "    return statistics.median(times)\n"), "sync() runs before fn()"),
+        Mistake(_TIME_DOC + (
+            "    times = []\n"
+            "    for i in range(warmup + repeats):\n"
+            "        start = time.perf_counter()\n"
+            "        fn()\n"
+            "        sync()\n"
+            "        times.append(time.perf_counter() - start)\n"
+            "    return statistics.median(times)\n"), "warm-up calls are timed too"),
+        Mistake(_TIME_DOC + (
+            "    for _ in range(warmup):\n"
+            "        fn()\n"
+            "    sync()\n"
+            "    start = time.perf_counter()\n"
+            "    for _ in range(repeats):\n"
+            "        fn()\n"
+            "    sync()\n"
+            "    return (time.perf_counter() - start) / repeats\n"), "times them together"),
     ],
 ))
 
 
 # --- 04.2 one sync per epoch ------------------------------------------------------------------
-
-class _Watched(torch.Tensor):
-    """A tensor that counts the operations forcing its value onto the CPU (each a CPU-GPU sync on a GPU)."""
-    syncs = 0
-    _SYNCING = {torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.numpy, torch.Tensor.__float__,
-                torch.Tensor.__int__, torch.Tensor.__bool__, torch.Tensor.__index__, torch.Tensor.__repr__,
-                torch.Tensor.__format__}
-
-    @classmethod
-    def __torch_function__(cls, func, types, args=(), kwargs=None):
-        if func in cls._SYNCING:
-            _Watched.syncs += 1
-        return super().__torch_function__(func, types, args, kwargs or {})
-
 
 _LOSSES = [2.25, 1.75, 1.5, 1.0, 0.5]
 
@@ -169,16 +213,16 @@ def _check_epoch_mean_loss(epoch_mean_loss):
     def train_step():
         value = _LOSSES[len(calls) % len(_LOSSES)]
         calls.append(value)
-        return (weight * value).as_subclass(_Watched)
+        return on_device(weight * value)
 
-    _Watched.syncs = 0
-    result = call(epoch_mean_loss, train_step, len(_LOSSES), name="epoch_mean_loss", check_mutation=False)
-    syncs = _Watched.syncs
+    with HostReads() as reads:
+        result = call(epoch_mean_loss, train_step, len(_LOSSES), name="epoch_mean_loss", check_mutation=False)
     if len(calls) != len(_LOSSES):
         raise Incorrect(f"train_step was called {len(calls)} times for steps={len(_LOSSES)}")
-    if syncs >= len(_LOSSES):
-        raise Incorrect(f"{syncs} CPU-GPU syncs for {len(_LOSSES)} steps: likely mistake: .item() (or float(), "
-                        "print) every step; keep the running sum a tensor on the device and read it once")
+    if reads.total >= len(_LOSSES):
+        raise Incorrect(f"{reads.total} CPU-GPU syncs for {len(_LOSSES)} steps ({reads.describe()}): likely mistake: "
+                        "the loss is brought to the host every step; each of these waits for the GPU. Keep the "
+                        "running sum a tensor on the device and read it once, at the end")
     if isinstance(result, torch.Tensor):
         raise Incorrect(f"epoch_mean_loss returned {describe(result)}: return a Python float (read it with "
                         ".item() once, at the end)")
@@ -188,8 +232,8 @@ def _check_epoch_mean_loss(epoch_mean_loss):
         raise Incorrect(f"got {value}, the sum of the losses: divide by the number of steps for the mean")
     if not math.isclose(value, expected, rel_tol=1e-6):
         raise Incorrect(f"the mean of the losses {_LOSSES} is {expected}, got {value!r}")
-    if syncs > 1:
-        raise Incorrect(f"{syncs} syncs: one is enough (a single .item() at the end)")
+    if reads.total > 1:
+        raise Incorrect(f"{reads.total} syncs ({reads.describe()}): one is enough (a single .item() at the end)")
     return "the mean loss of the epoch, read with a single sync"
 
 
@@ -208,7 +252,21 @@ register(Exercise(
     hints=["Adding tensors on the device queues work without waiting for it; .item() waits.",
            "Keep the detached losses (or a running tensor sum) and call .item() once, on the mean."],
     mistakes=[
-        Mistake(_EPOCH_DOC + "    return sum(train_step().item() for _ in range(steps)) / steps\n", "every step"),
+        Mistake(_EPOCH_DOC + "    return sum(train_step().item() for _ in range(steps)) / steps\n", ".item() x5"),
+        Mistake(_EPOCH_DOC + ("    total = 0.0\n    for _ in range(steps):\n        total += float(train_step())\n"
+                              "    return total / steps\n"), "float() x5"),
+        Mistake(_EPOCH_DOC + ("    losses = []\n    for step in range(steps):\n        loss = train_step()\n"
+                              "        print(f\"step {step}: loss {loss:.3f}\")\n        losses.append(loss.detach())\n"
+                              "    return torch.stack(losses).mean().item()\n"), "formatting (an f-string) x5"),
+        Mistake(_EPOCH_DOC + ("    losses = [train_step().detach().cpu() for _ in range(steps)]\n"
+                              "    return torch.stack(losses).mean().item()\n"), ".cpu() x5"),
+        Mistake(_EPOCH_DOC + ("    losses = []\n    for _ in range(steps):\n        loss = train_step().detach()\n"
+                              "        if torch.isnan(loss):\n            raise FloatingPointError(\"the loss is NaN\")\n"
+                              "        losses.append(loss)\n    return torch.stack(losses).mean().item()\n"),
+                "bool() (an if) x5"),
+        Mistake(_EPOCH_DOC + ("    losses = [train_step().detach() for _ in range(steps)]\n"
+                              "    print(\"mean loss:\", torch.stack(losses).mean())\n"
+                              "    return torch.stack(losses).mean().item()\n"), "one is enough"),
         Mistake(_EPOCH_DOC + "    return torch.stack([train_step().detach() for _ in range(steps)]).mean()\n",
                 "return a Python float"),
         Mistake(_EPOCH_DOC + "    return torch.stack([train_step().detach() for _ in range(steps)]).sum().item()\n",

@@ -263,6 +263,10 @@ register(Exercise(
                 "    others = oom[\"capacity\"] - oom[\"free\"]\n"
                 "    return \"other processes\" if others >= oom[\"requested\"] else \"too big\"\n",
                 "counted as other processes"),
+        Mistake(_DIAG_SIG + "    if oom[\"reserved_unallocated\"] >= oom[\"requested\"]:\n"
+                "        return \"fragmentation\"\n"
+                "    return \"too big\"\n",
+                "freeing them (another notebook's kernel?)"),
     ],
 ))
 

@@ -16,6 +16,7 @@ from unittest import mock
 import torch
 from torch import nn
 
+from ._sync import HostReads, on_device
 from .core import Exercise, Incorrect, Mistake, call, describe, register
 
 # --- a tiny, fixed training problem the checkers run the learner's code on ---------------------------
@@ -52,29 +53,6 @@ def _as_loss(value, label: str) -> float:
     return float(value)
 
 
-class _ItemCounter:
-    """Counts Tensor.item() calls while active: each one is a CPU-GPU sync on a GPU."""
-
-    def __init__(self):
-        self.count = 0
-        self._real = torch.Tensor.item
-
-    def __enter__(self):
-        counter = self
-
-        def item(tensor):
-            counter.count += 1
-            return counter._real(tensor)
-
-        self._patch = mock.patch.object(torch.Tensor, "item", item)
-        self._patch.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        self._patch.__exit__(*exc)
-        return False
-
-
 # --- 07.1 one epoch, one sync ----------------------------------------------------------------------
 
 def _check_train_one_epoch(train_one_epoch):
@@ -84,8 +62,9 @@ def _check_train_one_epoch(train_one_epoch):
     ref_model, ref_opt = copy.deepcopy(model), None
     ref_opt = torch.optim.SGD(ref_model.parameters(), lr=0.1, momentum=0.9)
     expected = _reference_epoch(ref_model, ref_opt, loss_fn, loader)
-    with _ItemCounter() as items:
-        out = call(train_one_epoch, model, opt, loss_fn, loader, name="train_one_epoch", check_mutation=False)
+    on_gpu = [(on_device(x), on_device(y)) for x, y in loader]  # batches "on the device": host reads are counted
+    with HostReads() as reads:
+        out = call(train_one_epoch, model, opt, loss_fn, on_gpu, name="train_one_epoch", check_mutation=False)
     got = _as_loss(out, "train_one_epoch")
     weights_equal = all(torch.allclose(p, q, atol=1e-6) for p, q in zip(model.parameters(), ref_model.parameters()))
     if all(torch.equal(p, q) for p, q in zip(model.parameters(), _problem()[0].parameters())):
@@ -100,10 +79,14 @@ def _check_train_one_epoch(train_one_epoch):
     if not math.isclose(got, expected, rel_tol=1e-4, abs_tol=1e-6):
         raise Incorrect(f"the weights are right but the returned loss is {got:.6f}, expected the epoch's mean "
                         f"loss {expected:.6f} (batch losses weighted by batch size)")
-    if items.count > 1:
-        raise Incorrect(f"correct numbers, but .item() ran {items.count} times in one epoch: likely mistake: "
-                        "a per-step .item(), which on a GPU makes the CPU wait for every step. Sum the losses "
-                        "as tensors and call .item() once at the end")
+    if reads.total >= len(loader):
+        raise Incorrect(f"correct numbers, but {reads.total} host reads in one epoch of {len(loader)} steps "
+                        f"({reads.describe()}): likely mistake: the loss is brought to the host every step, which "
+                        "on a GPU makes the CPU wait for every step. Sum the losses as tensors and call .item() "
+                        "once at the end")
+    if reads.total > 1:
+        raise Incorrect(f"correct numbers, but {reads.total} host reads in one epoch ({reads.describe()}): one "
+                        "is enough, the .item() of the mean at the end")
     return "same weights and mean loss as a correct loop, with a single sync per epoch"
 
 
@@ -136,8 +119,22 @@ register(Exercise(
         Mistake(_EPOCH_HEAD + "    total, count = 0.0, 0\n    for x, y in loader:\n        optimizer.zero_grad()\n"
                 "        loss = loss_fn(model(x), y)\n        loss.backward()\n        optimizer.step()\n"
                 "        total += loss.item() * len(y)\n        count += len(y)\n    return total / count\n",
-                "per-step .item()"),
+                ".item() x3"),
         Mistake(_EPOCH_SOLUTION.replace("        optimizer.step()\n", ""), "optimizer.step() is never called"),
+        Mistake(_EPOCH_SOLUTION.replace("        total += loss.detach() * len(y)  # stays a tensor: no sync\n",
+                                        "        total += float(loss) * len(y)\n"), "float() x3"),
+        Mistake(_EPOCH_SOLUTION.replace("        count += len(y)\n",
+                                        "        count += len(y)\n        print(f\"batch loss {loss:.4f}\")\n"),
+                "formatting (an f-string) x3"),
+        Mistake(_EPOCH_SOLUTION.replace("        total += loss.detach() * len(y)  # stays a tensor: no sync\n",
+                                        "        total += loss.detach().cpu() * len(y)\n"), ".cpu() x3"),
+        Mistake(_EPOCH_SOLUTION.replace("        total += loss.detach() * len(y)  # stays a tensor: no sync\n",
+                                        "        if not torch.isfinite(loss):\n"
+                                        "            raise FloatingPointError(\"the loss is not finite\")\n"
+                                        "        total += loss.detach() * len(y)\n"), "bool() (an if) x3"),
+        Mistake(_EPOCH_SOLUTION.replace("    return (total / count).item()  # one sync per epoch\n",
+                                        "    print(\"epoch loss\", total / count)\n    return (total / count).item()\n"),
+                "one is enough"),
     ],
 ))
 
@@ -304,23 +301,71 @@ PROJECT_BUDGET = 24 * 2**20   # the simulated GPU memory the project must fit in
 PROJECT_ACCURACY = 0.60       # on held-out synthetic CIFAR-shaped images
 
 
+def _steady_state_peak(model: nn.Module, optimizer: torch.optim.Optimizer, batch_size: int) -> tuple[int, int]:
+    """(peak of a first step with a fresh optimizer, peak of a step with the optimizer's state in place), in bytes,
+    measured on a SimulatedGPU for float32 steps of copies of `model` at `batch_size` (cross-entropy loss)."""
+    from ..data import synthetic_cifar
+    from ..memory import SimulatedGPU
+
+    device = next(model.parameters()).device
+    batch = synthetic_cifar(batch_size, seed=7)
+    peaks = []
+    for fresh in (True, False):
+        copied, opt = copy.deepcopy((model, optimizer))  # together: the copied optimizer holds the copied parameters
+        if fresh:
+            opt = type(optimizer)(copied.parameters(), **optimizer.defaults)
+        with torch.random.fork_rng(devices=[]), SimulatedGPU("1TiB", model=copied, optimizer=opt) as gpu:
+            for step in range(1 if fresh else 2):
+                gpu.reset_peak_memory_stats()
+                x, y = batch.images.to(device), batch.labels.to(device)
+                opt.zero_grad(set_to_none=True)
+                nn.functional.cross_entropy(copied(x), y).backward()
+                opt.step()
+            peaks.append(gpu.max_memory_allocated())
+    return peaks[0], peaks[1]
+
+
 def _check_project(answer):
     from ..data import synthetic_cifar
     from ..memory import SimulatedGPU, format_bytes
 
-    if not (isinstance(answer, tuple) and len(answer) == 2):
-        raise Incorrect(f"expected the pair (model, gpu), got {describe(answer)}")
-    model, gpu = answer
+    if isinstance(answer, tuple) and len(answer) == 2:
+        raise Incorrect("expected (model, optimizer, batch_size, gpu), got a pair: the checker needs your optimizer "
+                        "and batch size too, to measure a step with the optimizer's state in place itself")
+    if not (isinstance(answer, tuple) and len(answer) == 4):
+        raise Incorrect(f"expected the tuple (model, optimizer, batch_size, gpu), got {describe(answer)}")
+    model, optimizer, batch_size, gpu = answer
     if not isinstance(model, nn.Module):
         raise Incorrect(f"the first item should be your trained nn.Module, got {describe(model)}")
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise Incorrect(f"the second item should be the optimizer that trained the model, got {describe(optimizer)}")
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise Incorrect(f"the third item should be the batch size you trained with (an int), got {describe(batch_size)}")
     if not isinstance(gpu, SimulatedGPU):
-        raise Incorrect(f"the second item should be the SimulatedGPU you trained inside, got {describe(gpu)}")
+        raise Incorrect(f"the fourth item should be the SimulatedGPU you measured the training steps in, got "
+                        f"{describe(gpu)}")
+    model_params = {id(p) for p in model.parameters()}
+    opt_params = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    if not model_params or not opt_params <= model_params:
+        raise Incorrect("the optimizer does not hold this model's parameters: likely mistake: it was built for "
+                        "another instance (a second CifarCNN()); build the optimizer from model.parameters()")
     if gpu.budget > PROJECT_BUDGET:
         raise Incorrect(f"your SimulatedGPU has a budget of {format_bytes(gpu.budget)}; the project allows "
                         f"{format_bytes(PROJECT_BUDGET)}: likely mistake: a bigger budget than allowed")
     peak = gpu.max_memory_allocated()
     if peak == 0:
-        raise Incorrect("the SimulatedGPU recorded no memory use: train inside `with gpu:`")
+        raise Incorrect("the SimulatedGPU recorded no memory use: run your training steps inside `with gpu:`")
+    first, steady = _steady_state_peak(model, optimizer, batch_size)
+    if steady > PROJECT_BUDGET:
+        raise Incorrect(f"at batch {batch_size}, a step with the optimizer's state in place needs "
+                        f"{format_bytes(steady)}, more than the {format_bytes(PROJECT_BUDGET)} budget (the first "
+                        f"step needs {format_bytes(first)}): likely mistake: only the first step was measured, before "
+                        "the optimizer's state existed; with Adam the second step is the larger. Use a smaller batch")
+    if peak < 0.97 * steady:
+        raise Incorrect(f"your SimulatedGPU recorded a peak of {format_bytes(peak)}, but a step at batch {batch_size} "
+                        f"with the optimizer's state in place needs {format_bytes(steady)}: likely mistake: only the "
+                        "first step was measured, before the optimizer's state existed (or a smaller batch than the "
+                        "one you trained with). Measure at least two steps inside the SimulatedGPU")
     test = synthetic_cifar(2000, seed=123)
     device = next(model.parameters()).device
     was_training = model.training
@@ -338,41 +383,69 @@ def _check_project(answer):
         raise Incorrect(f"held-out accuracy {accuracy:.1%} is below the target {PROJECT_ACCURACY:.0%}: likely "
                         "mistake: too few epochs or samples, or a learning rate far off (Adam at 1e-3 is a good "
                         "start)")
-    return (f"held-out accuracy {accuracy:.1%} with a peak of {format_bytes(peak)} "
-            f"in a {format_bytes(gpu.budget)} budget")
+    return (f"held-out accuracy {accuracy:.1%}; a steady-state step at batch {batch_size} needs "
+            f"{format_bytes(steady)} (the first {format_bytes(first)}) of the {format_bytes(gpu.budget)} budget")
+
+
+_PROJECT_SETUP = ("import torch\nfrom torch import nn\n\nfrom course_utils import Trainer\n"
+                  "from course_utils.data import TensorLoader, synthetic_cifar\n"
+                  "from course_utils.memory import SimulatedGPU\nfrom course_utils.models import CifarCNN\n")
+_PROJECT_HEAD = ("torch.manual_seed(0)\n"
+                 "model = CifarCNN()\n"
+                 "optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)\n")
+
+
+def _measured(batch_size: int, steps: int, budget: str = "24MiB") -> str:
+    """Learner code: `steps` training steps at `batch_size` inside a SimulatedGPU (the training run itself left
+    out: every one of these answers is rejected before the accuracy is checked)."""
+    return (f"batch_size = {batch_size}\n"
+            "loader = TensorLoader.from_dataset(synthetic_cifar(256, seed=0), batch_size=batch_size)\n"
+            f"with SimulatedGPU(\"{budget}\", model=model, optimizer=optimizer) as gpu:\n"
+            f"    for step, (inputs, targets) in zip(range({steps}), loader):\n"
+            "        optimizer.zero_grad(set_to_none=True)\n"
+            "        nn.functional.cross_entropy(model(inputs), targets).backward()\n"
+            "        optimizer.step()\n")
 
 
 register(Exercise(
     id="07.4", title="Project: accuracy within a memory budget", answer="project",
-    blank="project = ...  # (model, gpu) after training\n",
+    blank="project = ...",
     solution=(
-        "torch.manual_seed(0)\n"
-        "model = CifarCNN()\n"
-        "optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)\n"
-        "loader = TensorLoader.from_dataset(synthetic_cifar(4000, seed=0), batch_size=32)\n"
-        "trainer = Trainer(model, optimizer, nn.CrossEntropyLoss(), loader, device=\"cpu\")\n"
-        "# Every step of the run needs the same memory, so one step inside the budget proves the run fits\n"
-        "# (and the first step is the one that creates Adam's state, so it is the largest).\n"
+        _PROJECT_HEAD
+        + "batch_size = 32\n"
+        "loader = TensorLoader.from_dataset(synthetic_cifar(4000, seed=0), batch_size=batch_size)\n"
+        "# The first step creates Adam's state (two tensors per parameter), so the second step is the larger:\n"
+        "# measure two, and every later step needs what the second needed.\n"
         "with SimulatedGPU(\"24MiB\", model=model, optimizer=optimizer) as gpu:\n"
-        "    inputs, targets = next(iter(loader))\n"
-        "    trainer.train_step(inputs, targets)\n"
+        "    for step, (inputs, targets) in zip(range(2), loader):\n"
+        "        optimizer.zero_grad(set_to_none=True)\n"
+        "        nn.functional.cross_entropy(model(inputs), targets).backward()\n"
+        "        optimizer.step()\n"
+        "trainer = Trainer(model, optimizer, nn.CrossEntropyLoss(), loader, device=\"cpu\")\n"
         "trainer(2)\n"
-        "project = (model, gpu)\n"),
-    setup=("import torch\nfrom torch import nn\n\nfrom course_utils import Trainer\n"
-           "from course_utils.data import TensorLoader, synthetic_cifar\nfrom course_utils.memory import SimulatedGPU\n"
-           "from course_utils.models import CifarCNN\n"),
+        "project = (model, optimizer, batch_size, gpu)"),
+    setup=_PROJECT_SETUP,
     checker=_check_project,
     timeout=60,
-    hints=["Train `CifarCNN` with `course_utils.Trainer`, and run its first step "
-           "(`trainer.train_step(inputs, targets)`) inside `with SimulatedGPU(\"24MiB\", model=model, "
-           "optimizer=optimizer) as gpu:`: every step needs the same memory, so if one fits, the run fits.",
+    hints=["Train `CifarCNN` with Adam, and run two training steps inside `with SimulatedGPU(\"24MiB\", "
+           "model=model, optimizer=optimizer) as gpu:`. The first step creates Adam's state, so the second is the "
+           "larger, and every later step needs the same as the second: if two steps fit, the run fits.",
            "4000 synthetic images, batches of 32 and 2 epochs of Adam at lr 1e-3 usually reach the target; "
-           "if not, train another epoch (call the trainer again). If a batch does not fit the budget, use a smaller batch."],
+           "if not, train another epoch (call the trainer again). If the second step does not fit the budget, use a "
+           "smaller batch."],
     mistakes=[
-        Mistake("project = (CifarCNN(), SimulatedGPU('24MiB'))\n", "recorded no memory use"),
-        Mistake("model = CifarCNN()\nwith SimulatedGPU('24MiB', model=model) as gpu:\n"
-                "    model(torch.zeros(2, 3, 32, 32))\nproject = (model, gpu)\n", "below the target"),
-        Mistake("model = CifarCNN()\nwith SimulatedGPU('1GiB', model=model) as gpu:\n"
-                "    model(torch.zeros(2, 3, 32, 32))\nproject = (model, gpu)\n", "a bigger budget than allowed"),
+        Mistake(_PROJECT_HEAD + _measured(40, 1) + "project = (model, optimizer, batch_size, gpu)\n",
+                "with Adam the second step is the larger"),
+        Mistake(_PROJECT_HEAD + _measured(32, 1) + "project = (model, optimizer, batch_size, gpu)\n",
+                "only the first step was measured"),
+        Mistake(_PROJECT_HEAD + _measured(32, 2) + "project = (model, gpu)\n", "got a pair"),
+        Mistake(_PROJECT_HEAD + _measured(32, 2, budget="1GiB") + "project = (model, optimizer, batch_size, gpu)\n",
+                "a bigger budget than allowed"),
+        Mistake(_PROJECT_HEAD + _measured(32, 2) + "project = (model, optimizer, batch_size, SimulatedGPU('24MiB'))\n",
+                "recorded no memory use"),
+        Mistake(_PROJECT_HEAD + _measured(32, 2) + "project = (model, optimizer, batch_size, gpu)\n",
+                "below the target"),
+        Mistake(_PROJECT_HEAD + "optimizer = torch.optim.Adam(CifarCNN().parameters(), lr=1e-3)\n" + _measured(32, 2)
+                + "project = (model, optimizer, batch_size, gpu)\n", "another instance"),
     ],
 ))
