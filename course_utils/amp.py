@@ -4,7 +4,8 @@
   float16 on older CUDA GPUs and on Apple MPS.
 - `autocast(device, dtype="auto")`: the matching `torch.amp.autocast` context.
 - `MixedPrecision`: autocast + a `GradScaler` (only for float16) behind three calls:
-  `autocast()`, `backward(loss)`, `step(optimizer, ...)`. `train_step` strings them together.
+  `autocast()`, `backward(loss)`, `unscale_(optimizer)`, `step(optimizer, ...)`; `enabled=False` is float32
+  behind the same calls. `train_step` runs one `course_utils.step.TrainStep` with it.
 - `autocast_dtype_table(device)` and `underflow_fraction(grads)`: measurements for the notebook.
 
 Only the device-generic `torch.amp` API is used; the old `torch.cuda.amp` names are deprecated.
@@ -19,6 +20,8 @@ from typing import Any, ContextManager, NamedTuple, Union
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from .step import TrainStep
 
 DeviceLike = Union[str, torch.device]
 DtypeLike = Union[str, torch.dtype]
@@ -159,6 +162,7 @@ class MixedPrecision:
         if self.dtype == torch.float16:
             self.scaler = torch.amp.GradScaler(self.device.type, init_scale=init_scale,
                                                growth_interval=growth_interval)
+        self._unscaled: set[int] = set()  # ids of optimizers whose gradients unscale_ divided already
         self.skipped_steps = 0  # optimizer steps the scaler skipped because of inf/nan gradients
         self.last_grad_norm: torch.Tensor | None = None  # from clipping; a device tensor (no sync)
 
@@ -178,6 +182,17 @@ class MixedPrecision:
             self.scaler.scale(loss).backward()
         else:
             loss.backward()
+
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        """Divide `optimizer`'s gradients by the loss scale, in place, so they are in true units (for
+        clipping or inspecting them before `step`). Without a scaler (bf16, fp32) there is nothing to do.
+        Calling it twice before a step does nothing the second time."""
+        if self.scaler is None or id(optimizer) in self._unscaled:
+            return
+        if self.scaler._scale is None:  # scale() was never called: no scaled backward happened
+            raise RuntimeError("step() before any backward(loss): call precision.backward(loss) first")
+        self.scaler.unscale_(optimizer)  # grads /= scale in place and inf/nan flag on the device; no sync
+        self._unscaled.add(id(optimizer))
 
     def step(self, optimizer: torch.optim.Optimizer, parameters: Iterable[torch.Tensor] | None = None,
              clip_grad_norm: float | None = None) -> bool:
@@ -204,9 +219,8 @@ class MixedPrecision:
                 self.last_grad_norm = nn.utils.clip_grad_norm_(parameters, clip_grad_norm)
             optimizer.step()
             return True
-        if scaler._scale is None:  # scale() was never called: no scaled backward happened
-            raise RuntimeError("step() before any backward(loss): call precision.backward(loss) first")
-        scaler.unscale_(optimizer)  # grads /= scale in place and inf/nan flag on the device; no sync
+        self.unscale_(optimizer)
+        self._unscaled.discard(id(optimizer))
         if clip_grad_norm is not None:
             self.last_grad_norm = nn.utils.clip_grad_norm_(parameters, clip_grad_norm)
         found = _found_inf(scaler, optimizer)
@@ -221,6 +235,13 @@ class MixedPrecision:
             skipped = scaler.get_scale() < before  # sync again; the scale only shrinks after a skip
         self.skipped_steps += skipped
         return not skipped
+
+    def reset(self, optimizer: torch.optim.Optimizer) -> None:
+        """Forget a half-done step (after an error between backward and step, e.g. out of memory): the next
+        backward starts a new step. The scale itself is kept."""
+        self._unscaled.discard(id(optimizer))
+        if self.scaler is not None:
+            self.scaler._per_optimizer_states.pop(id(optimizer), None)
 
     def state_dict(self) -> dict[str, Any]:
         """Checkpointable state: the dtype and the scaler's scale/growth tracker (reading them syncs once)."""
@@ -244,14 +265,9 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer,
                loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
                inputs: torch.Tensor, targets: torch.Tensor, precision: MixedPrecision,
                clip_grad_norm: float | None = None) -> torch.Tensor:
-    """One optimizer step under `precision`; returns the loss, detached and still on the device."""
-    optimizer.zero_grad(set_to_none=True)
-    with precision.autocast():
-        loss = loss_fn(model(inputs), targets)
-    precision.backward(loss)
-    precision.step(optimizer, parameters=model.parameters() if clip_grad_norm is not None else None,
-                   clip_grad_norm=clip_grad_norm)
-    return loss.detach()
+    """One optimizer step under `precision` (a `course_utils.step.TrainStep`); returns the loss, detached and
+    still on the device. In a loop, build the `TrainStep` once and call it instead."""
+    return TrainStep(model, optimizer, loss_fn, precision, grad_clip=clip_grad_norm)(inputs, targets)
 
 
 # --- measurements for the notebook -------------------------------------------------------

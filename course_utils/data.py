@@ -288,6 +288,9 @@ class TensorLoader:
         self.shuffle = shuffle
         self.drop_last = drop_last
         self.generator = torch.Generator(device="cpu").manual_seed(seed)
+        self._epoch_start: torch.Tensor | None = None  # generator state the current epoch's order came from
+        self._yielded = 0                             # batches of the current epoch handed out so far
+        self._skip = 0                                # batches to leave out of the next epoch (a resume)
 
     @classmethod
     def from_dataset(cls, dataset: ImageDataset, **kwargs) -> "TensorLoader":
@@ -299,22 +302,34 @@ class TensorLoader:
 
     def __iter__(self):
         n = len(self.labels)
+        self._epoch_start = self.generator.get_state()
         if self.shuffle:
             # permutation drawn on the CPU generator (reproducible on every device), copied once per epoch
             order = torch.randperm(n, generator=self.generator).to(self.device, non_blocking=True)
         else:
             order = None
-        for i in range(len(self)):
+        start, self._skip = self._skip, 0
+        self._yielded = start
+        for i in range(start, len(self)):
             if order is None:
                 sl = slice(i * self.batch_size, (i + 1) * self.batch_size)
-                yield self.images[sl], self.labels[sl]
+                batch = self.images[sl], self.labels[sl]
             else:
                 idx = order[i * self.batch_size:(i + 1) * self.batch_size]
-                yield self.images.index_select(0, idx), self.labels.index_select(0, idx)
+                batch = self.images.index_select(0, idx), self.labels.index_select(0, idx)
+            self._yielded = i + 1
+            yield batch
+        self._epoch_start = None
 
     def state_dict(self) -> dict:
-        """The shuffling state, so an interrupted run can resume with the same batch order."""
-        return {"generator": self.generator.get_state()}
+        """The shuffling state and, inside an epoch, how many of its batches were handed out, so an
+        interrupted run resumes with the same batches (the torchdata "Stateful" protocol)."""
+        if self._epoch_start is not None and self._yielded < len(self):
+            return {"generator": self._epoch_start, "batches_done": self._yielded}
+        return {"generator": self.generator.get_state(), "batches_done": 0}
 
     def load_state_dict(self, state: dict) -> None:
-        self.generator.set_state(state["generator"])
+        """Restore `state_dict()`; a mid-epoch state makes the next pass continue that epoch."""
+        self.generator.set_state(state["generator"].to("cpu", torch.uint8))
+        self._skip = int(state.get("batches_done", 0))
+        self._epoch_start = None

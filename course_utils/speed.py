@@ -28,6 +28,7 @@ from .amp import MixedPrecision
 from .data import AugmentedImages as AugmentedImages  # re-exported: notebook 03 imports it from here
 from .data import TensorLoader
 from .models import CifarCNN
+from .step import TrainStep
 from .timing import measure, synchronize
 
 
@@ -155,7 +156,8 @@ def _cycle(loader, device: torch.device | None, non_blocking: bool) -> Iterator[
     while True:
         for x, y in loader:
             if device is not None:
-                # blocking copies unless the batch is pinned; from pinned memory the copy overlaps compute
+                # from pinned memory, non_blocking frees the CPU at once; the copy itself still queues behind the
+                # kernels before it on the default stream (overlapping it with compute needs a side stream)
                 x, y = x.to(device, non_blocking=non_blocking), y.to(device, non_blocking=non_blocking)
             yield x, y
 
@@ -193,17 +195,13 @@ def train_throughput(device, data, config: LoopConfig = NAIVE, *, images: int = 
     precision = MixedPrecision(device, enabled=config.mixed_precision)
     forward = torch.compile(model, backend=compile_backend) if config.compile else model
     batches = _batches(data, config, device, seed)
+    train_step = TrainStep(forward, optimizer, F.cross_entropy, precision)
 
     def step() -> torch.Tensor:
         x, y = next(batches)
         if config.channels_last:
             x = x.contiguous(memory_format=torch.channels_last)
-        optimizer.zero_grad(set_to_none=True)
-        with precision.autocast():
-            loss = F.cross_entropy(forward(x), y)
-        precision.backward(loss)
-        precision.step(optimizer)
-        return loss.detach()
+        return train_step(x, y)
 
     steps = max(1, math.ceil(images / config.batch_size))
 

@@ -3,40 +3,32 @@
     trainer = Trainer(model, optimizer, loss_fn, train_loader)
     history = trainer(3)          # train 3 more epochs, get their 3 mean losses back as floats
 
-Design: `__call__` owns the epoch loop; `train_step` owns one optimisation step; everything that watches
-the run (progress bars, live plots, early stopping, custom logging) hangs off `Callback` hooks, so
-extending the trainer means adding a callback, not editing the loop. The options cover what the course
-teaches: mixed precision, gradient accumulation, out-of-memory recovery, evaluation, checkpoints with an
-exact resume, a graceful Ctrl-C, and the live monitor.
+Design: `__call__` owns the epoch loop; one `course_utils.step.TrainStep` (wrapped in a
+`course_utils.memory.ResilientStep` with `oom_recovery=True`) owns the optimizer step; everything that watches
+or steers the run (progress display, checkpoints, learning-rate schedules, early stopping, logging) is a
+`course_utils.callbacks.Callback`. The options configure the step (precision, accumulation, clipping,
+out-of-memory recovery); the loop has no branches for them. Checkpoints resume exactly, for any loader
+(`course_utils.loader_state`), and a Ctrl-C stops between two steps.
 """
 from __future__ import annotations
 
-import os
-import random
 import signal
-import tempfile
 import threading
 from pathlib import Path
 
 import torch
 from torch import nn
 
+from . import checkpoint as ckpt
+from .amp import MixedPrecision
+from .callbacks import HOOKS, Callback, Checkpoint, LRScheduler, StopTraining, overridden
+from .checkpoint import CheckpointError, EpochPosition
 from .device import get_device
+from .loader_state import LoaderState
+from .memory import ResilientStep
+from .step import TrainStep, batch_len
 
-
-class Callback:
-    """Override the hooks you need. `loss` in on_step_end is a detached 0-d tensor on the device:
-    keep a reference if you like, but calling `.item()` on it every step would force a CPU-GPU sync."""
-
-    def on_train_start(self, trainer: "Trainer") -> None: ...
-    def on_epoch_start(self, trainer: "Trainer", epoch: int) -> None: ...
-    def on_step_end(self, trainer: "Trainer", step: int, loss: torch.Tensor) -> None: ...
-    def on_epoch_end(self, trainer: "Trainer", epoch: int, logs: dict) -> None: ...
-    def on_train_end(self, trainer: "Trainer") -> None: ...
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint file could not be read (missing, truncated, corrupt, or not a Trainer checkpoint)."""
+__all__ = ["Callback", "CheckpointError", "StopTraining", "Trainer", "move_batch", "read_checkpoint"]
 
 
 def move_batch(batch, device: torch.device, non_blocking: bool = True):
@@ -50,26 +42,9 @@ def move_batch(batch, device: torch.device, non_blocking: bool = True):
     return batch
 
 
-def _rng_state() -> dict:
-    state = {"torch": torch.get_rng_state(), "python": _to_lists(random.getstate())}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def _set_rng_state(state: dict) -> None:
-    torch.set_rng_state(state["torch"])
-    random.setstate(_to_tuples(state["python"]))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def _to_lists(x):
-    return [_to_lists(v) for v in x] if isinstance(x, (tuple, list)) else x
-
-
-def _to_tuples(x):
-    return tuple(_to_tuples(v) for v in x) if isinstance(x, list) else x
+def read_checkpoint(path, map_location=None) -> dict:
+    """Load a Trainer checkpoint with `weights_only=True`, or raise CheckpointError naming the file."""
+    return ckpt.load(path, map_location=map_location)
 
 
 class _DeferInterrupt:
@@ -99,232 +74,213 @@ class _DeferInterrupt:
         return False
 
 
+def _precision(mixed_precision, device: torch.device) -> MixedPrecision:
+    if isinstance(mixed_precision, MixedPrecision):
+        return mixed_precision
+    if mixed_precision is False or mixed_precision is None:
+        return MixedPrecision(device, enabled=False)  # float32: the same calls, doing nothing extra
+    return MixedPrecision(device, "auto" if mixed_precision is True else mixed_precision)
+
+
 class Trainer:
     """Train `model` with `optimizer` on `train_loader` batches of (inputs, targets).
 
     `history = trainer(epochs)` runs `epochs` more epochs and returns their mean training losses (floats).
     `trainer.history` keeps every epoch's mean loss across calls, `trainer.logs` every epoch's full log
-    (loss, and val_loss / val_accuracy when `val_loader` is given), `trainer.epoch` counts finished epochs.
+    (loss, and val_loss / val_accuracy when `val_loader` is given), `trainer.epoch` counts finished epochs,
+    `trainer.batches_trained` the batches trained on and `trainer.optimizer_steps` the optimizer steps.
 
-    Options:
+    Options of the step:
       mixed_precision: False (float32), True/"auto" (bf16 where supported, else fp16 with a GradScaler),
           "bf16", "fp16", or a `course_utils.amp.MixedPrecision`.
-      accumulate: optimizer step every `accumulate` batches, each batch's loss weighted by its share of
-          the group, so the update equals one step on the concatenated batches.
-      grad_clip: clip the gradient norm to this value before each step.
-      oom_recovery: on an out-of-memory error, retry the same step split into micro-batches
-          (`course_utils.memory.ResilientStep`); no data is skipped and the update is unchanged.
-      checkpoint: a file path; the full state is written there atomically after every epoch and when
-          training is interrupted with Ctrl-C. `Trainer.load_checkpoint(path)` resumes exactly.
-      progress: show a live progress bar and loss curve (`course_utils.monitor.TrainingProgress`).
-      scheduler: a learning-rate scheduler stepped once per epoch (its state is checkpointed too).
+      accumulate: one optimizer step every `accumulate` batches, each batch's loss weighted by its share of
+          the group's samples, so the update equals one step on the concatenated batches.
+      grad_clip: clip the total gradient norm of the optimizer's parameters to this value before each step.
+      oom_recovery: on an out-of-memory error, run the same step again in smaller chunks
+          (`course_utils.memory.ResilientStep`); no data is skipped and the update is unchanged. Works with
+          `accumulate`: every batch of the group is split.
+    Callbacks (`course_utils.callbacks`): anything else. Two are common enough to have a shortcut:
+      scheduler: a learning-rate scheduler stepped once per epoch (`LRScheduler(s, interval="step")` steps
+          it after every optimizer step).
+      checkpoint: a file path (`Checkpoint(path)`): the full state is written there atomically after every
+          epoch and when training stops early. `Trainer.load_checkpoint(path)` resumes exactly.
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn, train_loader,
                  device=None, callbacks=(), *, val_loader=None, mixed_precision=False, accumulate: int = 1,
-                 grad_clip: float | None = None, oom_recovery: bool = False, checkpoint=None,
-                 progress: bool = False, scheduler=None):
+                 grad_clip: float | None = None, oom_recovery: bool = False, checkpoint=None, scheduler=None):
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
-        if not isinstance(accumulate, int) or accumulate < 1:
+        if isinstance(accumulate, bool) or not isinstance(accumulate, int) or accumulate < 1:
             raise ValueError(f"accumulate must be a positive int, got {accumulate!r}")
-        if oom_recovery and accumulate > 1:
-            raise ValueError("use either oom_recovery or accumulate: oom_recovery already splits a batch into "
-                             "micro-batches with gradient accumulation when it does not fit")
         self.device = device if isinstance(device, torch.device) else get_device(device)
         self.model = model.to(self.device)  # modules move in place; the optimizer's parameters stay the same objects
         self.optimizer = optimizer
         self.loss_fn = loss_fn
         self.train_loader = train_loader
         self.val_loader = val_loader
-        self.callbacks = list(callbacks)
         self.accumulate = accumulate
-        self.grad_clip = grad_clip
-        self.scheduler = scheduler
-        self.checkpoint_path = Path(checkpoint) if checkpoint is not None else None
-        self.precision = self._make_precision(mixed_precision)
-        self.resilient = None
-        if oom_recovery:
-            from .memory import ResilientStep
-            self.resilient = ResilientStep(model, optimizer, loss_fn, precision=self.precision, grad_clip=grad_clip)
-        if progress:
-            from .monitor import TrainingProgress
-            self.callbacks.append(TrainingProgress())
+        self.precision = _precision(mixed_precision, self.device)
+        self.train_step = TrainStep(model, optimizer, loss_fn, self.precision, grad_clip)
+        self.step = ResilientStep.around(self.train_step) if oom_recovery else self.train_step
+        self.callbacks: list[Callback] = list(callbacks)
+        if scheduler is not None:
+            self.callbacks.append(LRScheduler(scheduler))
+        if checkpoint is not None:
+            self.callbacks.append(Checkpoint(checkpoint))
+        self._loader = LoaderState(train_loader)
         self.history: list[float] = []
         self.logs: list[dict] = []
-        self.epoch = 0          # finished epochs
-        self.global_step = 0    # finished batches
+        self.epoch = 0               # finished epochs
+        self.batches_trained = 0     # batches trained on, over all epochs
+        self.optimizer_steps = 0     # optimizer steps taken (one per `accumulate` batches)
+        self.batch_in_epoch = 0      # batches of the current epoch trained on
+        self.position: EpochPosition | None = None  # where an interrupted epoch stopped
         self.interrupted = False
+        self.stop_reason: str | None = None
         self.epochs_this_call = 0
-        self._resume: dict | None = None  # mid-epoch position restored from a checkpoint
 
-    def _make_precision(self, mixed_precision):
-        if mixed_precision is False or mixed_precision is None:
+    # --- callbacks ---------------------------------------------------------------------------
+
+    def _connect(self) -> dict[str, list]:
+        """The callbacks' overridden hooks, in `order`; the step calls its two hooks only if someone listens."""
+        ordered = sorted(self.callbacks, key=lambda cb: getattr(cb, "order", 0))
+        hooks = {name: [getattr(cb, name) for cb in ordered if overridden(cb, name)] for name in HOOKS}
+        self.train_step.after_backward = self._caller(hooks["on_after_backward"])
+        self.train_step.before_optimizer_step = self._caller(hooks["on_before_optimizer_step"])
+        return hooks
+
+    def _caller(self, fns: list):
+        if not fns:
             return None
-        from .amp import MixedPrecision
-        if isinstance(mixed_precision, MixedPrecision):
-            return mixed_precision
-        dtype = "auto" if mixed_precision is True else mixed_precision
-        precision = MixedPrecision(self.device, dtype)
-        return precision if precision.enabled else None
+        return lambda: self._emit(fns)
 
-    def _emit(self, hook: str, *args) -> None:
-        for cb in self.callbacks:
-            getattr(cb, hook)(self, *args)
+    def _emit(self, fns: list, *args) -> None:
+        """Call every hook in `fns`; a StopTraining from one is raised after all of them had the event."""
+        stop = None
+        for fn in fns:
+            try:
+                fn(self, *args)
+            except StopTraining as exc:
+                stop = stop or exc
+        if stop is not None:
+            raise stop
 
-    # --- one step -----------------------------------------------------------------------------
+    # --- epochs ------------------------------------------------------------------------------
 
-    def _forward_loss(self, inputs, targets) -> torch.Tensor:
-        if self.precision is None:
-            return self.loss_fn(self.model(inputs), targets)
-        with self.precision.autocast():
-            return self.loss_fn(self.model(inputs), targets)
-
-    def _optimizer_step(self) -> None:
-        params = self.model.parameters() if self.grad_clip is not None else None
-        if self.precision is None:
-            if self.grad_clip is not None:
-                nn.utils.clip_grad_norm_(params, self.grad_clip)
-            self.optimizer.step()
-        else:
-            self.precision.step(self.optimizer, parameters=params, clip_grad_norm=self.grad_clip)
-
-    def train_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """One optimisation step on one batch; returns its mean loss, detached, still on the device."""
-        if self.resilient is not None:
-            return self.resilient(inputs, targets)
-        self.optimizer.zero_grad(set_to_none=True)
-        loss = self._forward_loss(inputs, targets)
-        if self.precision is None:
-            loss.backward()
-        else:
-            self.precision.backward(loss)
-        self._optimizer_step()
-        return loss.detach()
-
-    def _accumulated_step(self, group: list) -> list[torch.Tensor]:
-        """One optimizer step over a group of batches; returns each batch's mean loss (detached)."""
-        total = sum(len(t) for _, t in group)
-        self.optimizer.zero_grad(set_to_none=True)
-        losses = []
-        for inputs, targets in group:
-            loss = self._forward_loss(inputs, targets)
-            weighted = loss * (len(targets) / total)  # this batch's share of the group mean
-            if self.precision is None:
-                weighted.backward()
-            else:
-                self.precision.backward(weighted)
-            losses.append(loss.detach())
-        self._optimizer_step()
-        return losses
-
-    # --- epochs ----------------------------------------------------------------------------------
-
-    def _batches(self, skip: int):
-        """Iterate the loader, skipping the first `skip` batches (those an interrupted run already trained on;
-        the caller restores the epoch's starting RNG first, so the order is the one the run would have seen)."""
-        it = iter(self.train_loader)
-        for _ in range(skip):
-            next(it)
-        return it
-
-    def _groups(self, batches):
-        """Batches moved to the device, in groups of `accumulate` (the last group of an epoch may be smaller)."""
-        group = []
-        for batch in batches:
-            group.append(move_batch(batch, self.device))
-            if len(group) == self.accumulate:
-                yield group
-                group = []
-        if group:
-            yield group
-
-    def train_epoch(self, interrupt: _DeferInterrupt | None = None) -> float | None:
-        """Train one epoch; returns its mean loss, or None if interrupted (state kept for a resume)."""
+    def train_epoch(self, interrupt: _DeferInterrupt | None = None, hooks: dict | None = None) -> float | None:
+        """Train one epoch; returns its mean loss, or None if it stopped early (its position kept for a resume)."""
+        hooks = hooks if hooks is not None else self._connect()
         self.model.train()
-        resume, self._resume = self._resume, None
-        if resume is None:
-            self._epoch_start_state = {"rng": _rng_state(), "loader": self._loader_state()}
-            total = torch.zeros((), device=self.device)  # running sum stays on the device: no per-step sync
-            count, done = 0, 0
-            batches = self._batches(0)
-        else:  # continue an interrupted epoch exactly where it stopped
-            self._epoch_start_state = resume["epoch_start"]
-            _set_rng_state(self._epoch_start_state["rng"])
-            self._load_loader_state(self._epoch_start_state["loader"])
-            batches = self._batches(resume["done"])  # same order as before the interruption
-            _set_rng_state(resume["rng_now"])
-            total = resume["loss_sum"].to(self.device)
-            count, done = resume["count"], resume["done"]
+        position, self.position = self.position, None
+        batches = self._loader.epoch()  # positioned where an interrupted epoch stopped, if one did
+        if position is None:
+            self._loss_sum = torch.zeros((), device=self.device)  # running sum stays on the device: no per-step sync
+            self._samples = self.batch_in_epoch = 0
+        else:
+            ckpt.set_rng_state(position.rng)
+            self._loss_sum = torch.tensor(position.loss_sum, device=self.device)
+            self._samples, self.batch_in_epoch = position.samples_done, position.batches_done
+        batch_start, batch_end = hooks["on_batch_start"], hooks["on_batch_end"]
+        after_step = hooks["on_after_optimizer_step"]
+        group: list = []
         try:
-            for group in self._groups(batches):
-                if self.accumulate > 1:
-                    losses = self._accumulated_step(group)
-                else:
-                    losses = [self.train_step(*group[0])]
-                for loss, (_, targets) in zip(losses, group):
-                    total += loss * len(targets)
-                    count += len(targets)
-                    done += 1
-                    self.global_step += 1
-                    self._emit("on_step_end", self.global_step, loss)
+            for batch in batches:
+                batch = move_batch(batch, self.device)
+                if batch_start:
+                    self._emit(batch_start, batch)
+                group.append(batch)
+                if len(group) < self.accumulate:
+                    continue
+                self._step(group, after_step, batch_end)
+                group = []
                 if interrupt is not None and interrupt.requested:
                     raise KeyboardInterrupt
-        except KeyboardInterrupt:
-            # Deferred Ctrl-C: we stop between two steps. An undeferred one (a second Ctrl-C, or raised by a
-            # callback) may land inside a step: its gradients are dropped, finished steps are kept.
+            if group:  # the last, smaller group of the epoch
+                self._step(group, after_step, batch_end)
+        except (KeyboardInterrupt, StopTraining) as exc:
+            # Deferred Ctrl-C or StopTraining: we stop between two steps. An undeferred Ctrl-C (a second one) may
+            # land inside a step: its gradients are dropped, finished steps are kept.
             self.optimizer.zero_grad(set_to_none=True)
-            self._resume = {"epoch_start": self._epoch_start_state, "done": done, "count": count,
-                            "loss_sum": total.detach().cpu(), "rng_now": _rng_state()}
+            if isinstance(exc, StopTraining):
+                self.stop_reason = str(exc) or "a callback raised StopTraining"
+            self.position = EpochPosition(self.batch_in_epoch, self._samples, float(self._loss_sum), ckpt.rng_state(),
+                                          self._loader.state_dict(self.batch_in_epoch))
+            self._loader.load_state_dict(self.position.loader)  # a next call continues here, also in this process
             return None
-        if count == 0:
+        if self._samples == 0:
             raise ValueError("train_loader produced no batches")
-        return (total / count).item()  # the one CPU-GPU sync point of the epoch
+        return (self._loss_sum / self._samples).item()  # the one CPU-GPU sync point of the epoch
+
+    def _step(self, group, after_step, batch_end) -> None:
+        losses = self.step.group(group)
+        self.optimizer_steps += 1
+        if after_step:
+            self._emit(after_step)
+        for (_, targets), loss in zip(group, losses):
+            n = batch_len(targets)
+            self._loss_sum += loss * n
+            self._samples += n
+            self.batch_in_epoch += 1
+            self.batches_trained += 1
+            if batch_end:
+                self._emit(batch_end, loss)
 
     def __call__(self, epochs: int = 1) -> list[float]:
         if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 0:
             raise ValueError(f"epochs must be a non-negative int, got {epochs!r}")
         losses = []
         self.interrupted = False
+        self.stop_reason = None
         self.epochs_this_call = epochs
-        self._emit("on_train_start")
+        hooks = self._connect()
         try:
+            self._emit(hooks["on_train_start"])
             with _DeferInterrupt() as interrupt:
                 for _ in range(epochs):
-                    self._emit("on_epoch_start", self.epoch)
-                    mean_loss = self.train_epoch(interrupt)
+                    self._emit(hooks["on_epoch_start"])
+                    mean_loss = self.train_epoch(interrupt, hooks)
                     if mean_loss is None:
-                        self._on_interrupt()
+                        self._stopped_early()
                         break
                     logs = {"loss": mean_loss}
                     if self.val_loader is not None:
                         val = self.evaluate(self.val_loader)
                         logs.update(val_loss=val["loss"], val_accuracy=val["accuracy"])
-                    if self.scheduler is not None:
-                        self.scheduler.step()
                     self.history.append(mean_loss)
                     self.logs.append(logs)
                     losses.append(mean_loss)
                     self.epoch += 1
-                    self._emit("on_epoch_end", self.epoch - 1, logs)
-                    if self.checkpoint_path is not None:
-                        self.save_checkpoint(self.checkpoint_path)
+                    self.batch_in_epoch = 0
+                    try:
+                        self._emit(hooks["on_epoch_end"], logs)
+                    except StopTraining as exc:
+                        self.stop_reason = str(exc) or "a callback raised StopTraining"
+                        print(f"Training stopped after epoch {self.epoch}: {self.stop_reason}.")
+                        break
         finally:
-            self._emit("on_train_end")
+            self._emit(hooks["on_train_end"])
         return losses
 
-    def _on_interrupt(self) -> None:
+    def where(self) -> str:
+        """Where training stands, in words: 'epoch 2, batch 13 of 40'."""
+        try:
+            of = f" of {len(self.train_loader)}"
+        except TypeError:
+            of = ""
+        return f"epoch {self.epoch + 1}, batch {self.batch_in_epoch}{of}"
+
+    def _stopped_early(self) -> None:
+        if self.stop_reason is not None:
+            print(f"Training stopped at {self.where()}: {self.stop_reason}. Call the trainer again to continue.")
+            return
         self.interrupted = True
-        where = f"epoch {self.epoch + 1}, step {self.global_step}"
-        if self.checkpoint_path is not None:
-            self.save_checkpoint(self.checkpoint_path)
-            print(f"Training interrupted at {where}. The model is usable; a checkpoint was saved to "
-                  f"'{self.checkpoint_path.name}'. Call the trainer again to continue where it stopped.")
-        else:
-            print(f"Training interrupted at {where}. The model is usable; call the trainer again to continue "
-                  "where it stopped (pass checkpoint=... to also save it to a file).")
+        saved = any(isinstance(cb, Checkpoint) for cb in self.callbacks)
+        hint = "" if saved else " (pass checkpoint=... to also save it to a file)"
+        print(f"Training interrupted at {self.where()}. The model is usable; call the trainer again to continue "
+              f"where it stopped{hint}.")
 
     @torch.no_grad()
     def evaluate(self, loader) -> dict:
@@ -336,7 +292,8 @@ class Trainer:
         count = 0
         for batch in loader:
             inputs, targets = move_batch(batch, self.device)
-            logits = self.model(inputs) if self.precision is None else self._autocast_forward(inputs)
+            with self.precision.autocast():
+                logits = self.model(inputs)
             total_loss += self.loss_fn(logits.float(), targets) * len(targets)
             correct += (logits.argmax(1) == targets).sum()
             count += len(targets)
@@ -345,96 +302,73 @@ class Trainer:
             raise ValueError("the evaluation loader produced no batches")
         return {"loss": (total_loss / count).item(), "accuracy": correct.item() / count}
 
-    def _autocast_forward(self, inputs):
-        with self.precision.autocast():
-            return self.model(inputs)
-
     # --- checkpoints -----------------------------------------------------------------------------
 
-    def _loader_state(self):
-        state_dict = getattr(self.train_loader, "state_dict", None)
-        return state_dict() if callable(state_dict) else None
-
-    def _load_loader_state(self, state) -> None:
-        if state is not None and callable(getattr(self.train_loader, "load_state_dict", None)):
-            self.train_loader.load_state_dict(state)
-
     def state_dict(self) -> dict:
-        """Everything needed to continue this run exactly: weights, optimizer, scaler, scheduler, RNGs,
-        the data order, the epoch counters and, after an interruption, the position inside the epoch."""
+        """Everything needed to continue this run exactly: weights, optimizer, precision (loss scale), the
+        step's micro-batch size, the callbacks' states, RNGs, the loader's position, the counters."""
+        position = self.position
+        if position is not None:
+            self._loader.warn_if_inexact()
         return {
-            "format": "course_utils.Trainer/1",
+            "format": ckpt.FORMAT,
             "model": self.model.state_dict(),
             "optimizer": self.optimizer.state_dict(),
-            "precision": self.precision.state_dict() if self.precision is not None else None,
-            "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
-            "resilient_micro_batch": self.resilient.micro_batch_size if self.resilient is not None else None,
+            "precision": self.precision.state_dict(),
+            "step": self.step.state_dict() if hasattr(self.step, "state_dict") else {},
+            "callbacks": [{"class": type(cb).__name__, "state": cb.state_dict()} for cb in self.callbacks],
             "epoch": self.epoch,
-            "global_step": self.global_step,
+            "batches_trained": self.batches_trained,
+            "optimizer_steps": self.optimizer_steps,
             "history": list(self.history),
             "logs": [dict(x) for x in self.logs],
-            "rng": _rng_state(),
-            "loader": self._loader_state(),
-            "resume": self._resume,
+            "rng": ckpt.rng_state(),
+            "loader": position.loader if position is not None else self._loader.state_dict(),
+            "position": position.to_dict() if position is not None else None,
         }
 
     def load_state_dict(self, state: dict) -> None:
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
-        if self.precision is not None and state.get("precision"):
-            self.precision.load_state_dict(state["precision"])
-        if self.scheduler is not None and state.get("scheduler"):
-            self.scheduler.load_state_dict(state["scheduler"])
-        if self.resilient is not None:
-            self.resilient.micro_batch_size = state.get("resilient_micro_batch")
+        self.precision.load_state_dict(state["precision"])
+        if hasattr(self.step, "load_state_dict"):
+            self.step.load_state_dict(state["step"])
+        self._load_callbacks(state["callbacks"])
         self.epoch = state["epoch"]
-        self.global_step = state["global_step"]
+        self.batches_trained = state["batches_trained"]
+        self.optimizer_steps = state["optimizer_steps"]
         self.history = list(state["history"])
         self.logs = [dict(x) for x in state["logs"]]
-        _set_rng_state(state["rng"])
-        self._load_loader_state(state["loader"])
-        self._resume = state["resume"]
+        ckpt.set_rng_state(state["rng"])
+        self._loader.load_state_dict(state["loader"])
+        self.position = EpochPosition.from_dict(state["position"]) if state["position"] is not None else None
+        self.batch_in_epoch = self.position.batches_done if self.position is not None else 0
+
+    def _load_callbacks(self, saved: list[dict]) -> None:
+        """Give each saved callback state to this trainer's callback of the same class (in order)."""
+        waiting: dict[str, list[Callback]] = {}
+        for cb in self.callbacks:
+            waiting.setdefault(type(cb).__name__, []).append(cb)
+        for entry in saved:
+            mine = waiting.get(entry["class"])
+            if mine:
+                mine.pop(0).load_state_dict(entry["state"])
+            elif entry["state"]:
+                raise ValueError(f"the checkpoint holds the state of a {entry['class']} callback, which this "
+                                 f"trainer does not have; pass one (e.g. the same scheduler) to resume exactly")
 
     def save_checkpoint(self, path) -> Path:
         """Write the full state to `path` atomically: a temporary file in the same folder, flushed to disk,
         then renamed over the target, so a crash mid-write never leaves a half-written checkpoint."""
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-        try:
-            with os.fdopen(fd, "wb") as f:
-                torch.save(self.state_dict(), f)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)  # atomic on POSIX and Windows
-        except BaseException:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-            raise
-        return path
+        return ckpt.save(self.state_dict(), path)
 
-    def load_checkpoint(self, path) -> "Trainer":
-        """Restore a checkpoint written by `save_checkpoint` (loaded with weights_only=True: no code runs)."""
-        state = read_checkpoint(path, map_location=self.device)
+    def load_checkpoint(self, path, map_location=None) -> "Trainer":
+        """Restore a checkpoint written by `save_checkpoint` (loaded with weights_only=True: no code runs).
+        Tensors are mapped to `map_location` (default: this trainer's device) on the way in."""
+        state = ckpt.load(path, map_location=map_location if map_location is not None else self.device)
         try:
             self.load_state_dict(state)
-        except (KeyError, RuntimeError, ValueError) as exc:
+        except (KeyError, RuntimeError, ValueError, TypeError) as exc:
             raise CheckpointError(f"checkpoint '{path}' does not fit this trainer: {type(exc).__name__}: "
                                   f"{exc}") from None
         return self
-
-
-def read_checkpoint(path, map_location=None) -> dict:
-    """Load a Trainer checkpoint with `weights_only=True`, or raise CheckpointError naming the file."""
-    path = Path(path)
-    if not path.exists():
-        raise CheckpointError(f"checkpoint '{path}' does not exist")
-    try:
-        state = torch.load(path, map_location=map_location, weights_only=True)
-    except Exception as exc:  # truncated zip, bad pickle, wrong file type, disallowed globals...
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise CheckpointError(f"checkpoint '{path}' is truncated or corrupt and cannot be loaded "
-                              f"({type(exc).__name__}: {first[:200]})") from None
-    if not isinstance(state, dict) or state.get("format") != "course_utils.Trainer/1":
-        raise CheckpointError(f"'{path}' is a readable file but not a course_utils Trainer checkpoint")
-    return state

@@ -22,6 +22,7 @@ from course_utils.amp import (MixedPrecision, OpDtypes, autocast, autocast_dtype
                               resolve_dtype, train_step, underflow_fraction)
 from course_utils.data import synthetic_digits
 from course_utils.models import SimpleCNN
+from course_utils.step import TrainStep
 
 no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks behaviour on a machine without CUDA")
 
@@ -181,14 +182,15 @@ def test_fp16_step_matches_the_torch_recipe(clip):
     before = params_of(model)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no deprecation or "disabling" warning anywhere on the way
-        loss = train_step(model, opt, F.cross_entropy, *x_y, p, clip_grad_norm=clip)
+        step = TrainStep(model, opt, F.cross_entropy, p, grad_clip=clip)
+        loss = step(*x_y)
     assert torch.equal(loss, ref_loss.detach())
     assert not loss.requires_grad and loss.dtype == torch.float32
     for a, b, old in zip(model.parameters(), ref.parameters(), before):
         torch.testing.assert_close(a, b)
         assert not torch.equal(a, old)
     if clip:
-        torch.testing.assert_close(p.last_grad_norm, ref_norm)
+        torch.testing.assert_close(step.grad_norm, ref_norm)
     assert p.skipped_steps == 0 and p.scaler.get_scale() == 2.0 ** 16
     assert not torch.cuda.is_initialized()
 
@@ -241,10 +243,11 @@ def test_bf16_step_never_skips_and_clips():
     ref = copy.deepcopy(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     p = MixedPrecision("cpu", "bf16")
-    train_step(model, opt, F.cross_entropy, x, y, p, clip_grad_norm=0.01)
+    step = TrainStep(model, opt, F.cross_entropy, p, grad_clip=0.01)
+    step(x, y)
     with torch.amp.autocast("cpu", dtype=torch.bfloat16):
         F.cross_entropy(ref(x), y).backward()
-    torch.testing.assert_close(p.last_grad_norm, nn.utils.clip_grad_norm_(ref.parameters(), 0.01))
+    torch.testing.assert_close(step.grad_norm, nn.utils.clip_grad_norm_(ref.parameters(), 0.01))
     assert p.skipped_steps == 0
 
 

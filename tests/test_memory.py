@@ -816,14 +816,18 @@ def test_resilient_step_honours_the_precision_protocol():
     oracle_opt = torch.optim.SGD(oracle.parameters(), lr=0.1)
     x, y = batch(64)
     precision = amp.MixedPrecision("cpu", dtype="bf16")
-    step = ResilientStep(model, opt, F.cross_entropy, precision=precision, grad_clip=1.0)
+    step = ResilientStep(model, opt, F.cross_entropy, precision=precision, grad_clip=0.1)
     loss = step(x, y)
-    expected = amp.train_step(oracle, oracle_opt, F.cross_entropy, x, y, amp.MixedPrecision("cpu", dtype="bf16"),
-                              clip_grad_norm=1.0)
-    torch.testing.assert_close(loss, expected)
+    oracle_opt.zero_grad()  # the oracle: bf16 autocast and clipping written out in plain PyTorch
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        expected = F.cross_entropy(oracle(x), y)
+    expected.backward()
+    norm = nn.utils.clip_grad_norm_(oracle.parameters(), 0.1)
+    oracle_opt.step()
+    assert torch.equal(loss, expected.detach())
     for p, q in zip(model.parameters(), oracle.parameters()):
-        torch.testing.assert_close(p, q)
-    assert precision.last_grad_norm is not None  # clipping went through precision.step
+        assert torch.equal(p, q)
+    assert torch.equal(step.step.grad_norm, norm) and norm > 0.1  # clipping really happened
 
 
 def test_resilient_step_drives_the_trainer():
@@ -850,7 +854,7 @@ def test_resilient_step_drives_the_trainer():
     with SimulatedGPU(budget, model=model, optimizer=opt):
         losses = trainer(2)
     expected = oracle_trainer(2)
-    resilient = trainer.resilient
+    resilient = trainer.step
     assert isinstance(resilient, ResilientStep)
     assert resilient.oom_count >= 1 and resilient.micro_batch_size == 512 >> resilient.oom_count
     assert losses == pytest.approx(expected, rel=1e-5)

@@ -646,7 +646,7 @@ class RecordLosses(Callback):
     def __init__(self):
         self.losses = []
 
-    def on_step_end(self, trainer, step, loss):
+    def on_batch_end(self, trainer, loss):
         self.losses.append(loss.item())
 
 

@@ -61,17 +61,17 @@ def test_history_accumulates_across_calls_and_returns_floats():
         trainer(-1)
 
 
-def test_callbacks_see_every_step_with_device_tensors():
+def test_callbacks_see_every_batch_with_device_tensors():
     x, y = tiny_data()
     events = []
 
     class Recorder(Callback):
         def on_train_start(self, trainer): events.append("start")
-        def on_epoch_start(self, trainer, epoch): events.append(f"epoch{epoch}")
-        def on_step_end(self, trainer, step, loss):
+        def on_epoch_start(self, trainer): events.append(f"epoch{trainer.epoch}")
+        def on_batch_end(self, trainer, loss):
             assert isinstance(loss, torch.Tensor) and loss.dim() == 0 and not loss.requires_grad
-            events.append(step)
-        def on_epoch_end(self, trainer, epoch, logs): events.append(("end", epoch, round(logs["loss"], 6)))
+            events.append(trainer.batches_trained)
+        def on_epoch_end(self, trainer, logs): events.append(("end", trainer.epoch, round(logs["loss"], 6)))
         def on_train_end(self, trainer): events.append("stop")
 
     model = SimpleCNN()
@@ -79,17 +79,21 @@ def test_callbacks_see_every_step_with_device_tensors():
                       TensorLoader(x, y, 32), device="cpu", callbacks=[Recorder()])
     history = trainer(2)
     assert events[:4] == ["start", "epoch0", 1, 2]
-    assert events[4] == ("end", 0, round(history[0], 6))
+    assert events[4] == ("end", 1, round(history[0], 6))
     assert events[-1] == "stop" and events.count("epoch1") == 1
 
 
-def test_evaluate_reports_accuracy_and_restores_mode():
+def test_evaluate_runs_in_eval_mode_and_restores_training_mode():
     x, y = tiny_data()
-    model = SimpleCNN()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Flatten(), nn.Linear(784, 64), nn.Dropout(0.5), nn.Linear(64, 10))
     trainer = Trainer(model, torch.optim.SGD(model.parameters(), 0.01), nn.CrossEntropyLoss(),
                       TensorLoader(x, y, 32), device="cpu")
     model.train()
     result = trainer.evaluate(TensorLoader(x, y, 64, shuffle=False))
-    expected = (model(x).argmax(1) == y).float().mean().item()
-    assert result["accuracy"] == pytest.approx(expected)
+    model.eval()
+    expected = (model(x).argmax(1) == y).float().mean().item()  # dropout off: deterministic
+    model.train()
+    train_mode = (model(x).argmax(1) == y).float().mean().item()  # dropout on: another answer
+    assert result["accuracy"] == pytest.approx(expected) and train_mode != pytest.approx(expected)
     assert model.training

@@ -11,8 +11,9 @@ from torch import nn
 
 from .limit import limit_gpu_memory
 from .oom import free_memory, is_oom_error
-from .resilient import _backward_and_step, _loss_of
-from .simulated import SimulatedGPU, _optimizer_params, active_simulated_gpu
+from ..amp import MixedPrecision
+from ..step import TrainStep
+from .simulated import SimulatedGPU, active_simulated_gpu, optimizer_params
 from .sizes import BytesLike, format_bytes
 
 
@@ -81,7 +82,7 @@ class _Snapshot:
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer):
         self.optimizer = optimizer
         self.tensors = [(t, _host_copy(t)) for t in list(model.parameters()) + list(model.buffers())]
-        params = list(dict.fromkeys(list(model.parameters()) + list(_optimizer_params(optimizer))))
+        params = list(dict.fromkeys(list(model.parameters()) + list(optimizer_params(optimizer))))
         self.grads = [(p, None if p.grad is None else _host_copy(p.grad)) for p in params]
         self.state = {p: {k: _SavedTensor(_host_copy(v), v.device) if isinstance(v, torch.Tensor) else _deepcopy(v)
                           for k, v in s.items()}
@@ -189,8 +190,9 @@ def find_max_batch_size(make_batch_or_dataset, model: nn.Module, optimizer: torc
             rng_devices = [dev.index if dev.index is not None else torch.cuda.current_device()]
         try:
             with torch.random.fork_rng(devices=rng_devices):
-                trials = _search(make, model, optimizer, loss_fn, precision, start, max_size,
-                                 steps_per_trial, sim, dev)
+                step = TrainStep(model, optimizer, loss_fn,
+                                 precision if precision is not None else MixedPrecision(dev, enabled=False))
+                trials = _search(step, make, start, max_size, steps_per_trial, sim, dev)
         finally:
             optimizer.zero_grad(set_to_none=True)
             snapshot.restore()
@@ -205,11 +207,11 @@ def find_max_batch_size(make_batch_or_dataset, model: nn.Module, optimizer: torc
     return BatchSizeSearch(chosen, largest, min(bigger_failed) if bigger_failed else None, safety_margin, trials)
 
 
-def _search(make, model, optimizer, loss_fn, precision, start, max_size, steps, sim, dev) -> list[Trial]:
+def _search(step: TrainStep, make, start, max_size, steps, sim, dev) -> list[Trial]:
     trials: list[Trial] = []
 
     def attempt(n: int) -> bool:
-        ok, peak = _trial(make, n, model, optimizer, loss_fn, precision, steps, sim, dev)
+        ok, peak = _trial(step, make, n, steps, sim, dev)
         trials.append(Trial(n, ok, peak))
         return ok
 
@@ -233,38 +235,27 @@ def _search(make, model, optimizer, loss_fn, precision, start, max_size, steps, 
     return trials
 
 
-def _trial(make, n, model, optimizer, loss_fn, precision, steps, sim, dev) -> tuple[bool, int | None]:
-    saved_peak = None
-    if sim is not None:
-        saved_peak = sim.max_memory_allocated()
-        sim.reset_peak_memory_stats()
-    elif dev.type == "cuda":
+def _trial(step: TrainStep, make, n, steps, sim, dev) -> tuple[bool, int | None]:
+    if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
     failed = False
-    try:
-        inputs, targets = make(n)
-        for _ in range(steps):
-            optimizer.zero_grad(set_to_none=True)
-            if precision is None:
-                loss = _loss_of(model, loss_fn, inputs, targets)
-            else:
-                with precision.autocast():
-                    loss = _loss_of(model, loss_fn, inputs, targets)
-            _backward_and_step(loss, optimizer, None, precision, None)
-            del loss
-        del inputs, targets
-    except Exception as exc:
-        if not is_oom_error(exc):
-            raise
-        failed = True
+    with sim.measure_peak() if sim is not None else nullcontext() as reading:
+        try:
+            inputs, targets = make(n)
+            for _ in range(steps):
+                step(inputs, targets)
+            del inputs, targets
+        except Exception as exc:
+            if not is_oom_error(exc):
+                raise
+            failed = True
     # outside the except block: the failed trial's tensors are unreachable now
-    optimizer.zero_grad(set_to_none=True)
+    step.optimizer.zero_grad(set_to_none=True)
+    reset = getattr(step.precision, "reset", None)
+    if callable(reset):
+        reset(step.optimizer)
     if failed:
         free_memory()
-    peak = None
     if sim is not None:
-        peak = sim.max_memory_allocated()
-        sim._ledger.peak = max(saved_peak, peak)
-    elif dev.type == "cuda":
-        peak = torch.cuda.max_memory_allocated(dev)
-    return not failed, peak
+        return not failed, reading.bytes
+    return not failed, torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else None

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .oom import _first_line
+from .oom import first_line
 from .simulated import AllocationTracker, StorageLedger, optimizer_params
 from .sizes import CUDA_BLOCK_BYTES, format_bytes
 
@@ -125,7 +125,7 @@ def estimate_training_memory(model: nn.Module, optimizer: torch.optim.Optimizer,
         fake = _fake_training_run(model, optimizer, inputs, targets, loss_fn or _sum_loss, autocast_dtype, ledger)
     except Exception as exc:
         raise RuntimeError(f"could not run a training step of {type(model).__name__} on fake tensors "
-                           f"with this example batch: {_first_line(exc)}") from exc
+                           f"with this example batch: {first_line(exc)}") from exc
     kind = _optimizer_kind(optimizer)
     analytic = _analytic_state(optimizer, count)
     if analytic is not None:
@@ -214,7 +214,7 @@ def _fake_training_run(model, optimizer, inputs, targets, loss_fn, autocast_dtyp
         try:
             fake_opt = _fake_optimizer(optimizer, fake_of)
         except Exception as exc:  # an optimizer that cannot be rebuilt this way
-            fake_opt, result["step_error"] = None, _first_line(exc)
+            fake_opt, result["step_error"] = None, first_line(exc)
 
         def forward_backward():
             if autocast_dtype is not None:
@@ -238,7 +238,7 @@ def _fake_training_run(model, optimizer, inputs, targets, loss_fn, autocast_dtyp
             try:
                 fake_opt.step()
             except Exception as exc:
-                fake_opt, result["step_error"] = None, _first_line(exc)
+                fake_opt, result["step_error"] = None, first_line(exc)
         del loss
         zero_grad()
         base = ledger.allocated

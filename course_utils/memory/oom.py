@@ -91,6 +91,6 @@ def free_memory() -> FreeMemoryReport:
     return FreeMemoryReport(collected, tuple(emptied))
 
 
-def _first_line(exc: BaseException) -> str:
+def first_line(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()
     return f"{type(exc).__name__}: {text[0] if text else ''}"

@@ -7,43 +7,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from .oom import _first_line, free_memory, is_oom_error
+from ..amp import MixedPrecision
+from ..step import Batch, TrainStep, batch_len
+from .oom import first_line, free_memory, is_oom_error
+from .sizes import format_bytes
 
 
-# --- one training step, the way the course writes it ------------------------------------------
-
-def _loss_of(model: nn.Module, loss_fn, inputs, targets) -> torch.Tensor:
-    out = model(*inputs) if isinstance(inputs, (list, tuple)) else model(inputs)
-    return loss_fn(out, targets)
-
-
-def _backward_and_step(loss: torch.Tensor, optimizer, parameters, precision, grad_clip) -> None:
-    if precision is None:
-        loss.backward()
-        if grad_clip is not None:
-            nn.utils.clip_grad_norm_(parameters, grad_clip)
-        optimizer.step()
-    else:
-        precision.backward(loss)
-        precision.step(optimizer, parameters=parameters if grad_clip is not None else None,
-                       clip_grad_norm=grad_clip)
-
-
-def _batch_len(x) -> int:
-    if isinstance(x, torch.Tensor):
-        if x.dim() == 0:
-            raise ValueError("a batch must have a batch dimension (got a 0-d tensor)")
-        return x.shape[0]
-    if isinstance(x, (list, tuple)) and x and all(isinstance(t, torch.Tensor) for t in x):
-        return _batch_len(x[0])
-    raise TypeError(f"a batch must be a tensor or a tuple/list of tensors, got {type(x).__name__}")
-
-
-def _split(x, size: int) -> list:
-    if isinstance(x, torch.Tensor):
-        return list(x.split(size))  # views: no copy
-    parts = [_split(t, size) for t in x]
-    return [type(x)(p) for p in zip(*parts)]
+def _device_of(model: nn.Module) -> torch.device:
+    first = next(iter(model.parameters()), None)
+    return first.device if first is not None else torch.device("cpu")
 
 
 # --- the OOM-resilient training step -----------------------------------------------------------
@@ -58,117 +30,147 @@ class ResilientStep:
 
         step = ResilientStep(model, optimizer, loss_fn)        # precision=MixedPrecision(...) works too
         loss = step(inputs, targets)   # mean loss over the batch: a detached 0-d tensor on the device
+        losses = step.group(batches)   # one optimizer step over several batches (gradient accumulation)
 
-    Normally: zero_grad, forward, backward, optimizer step. On an out-of-memory error in the forward
-    or backward pass it leaves the `except` block (so the failed attempt's tensors are freed), frees
-    memory, halves the micro-batch size and runs the same step again with gradient accumulation: the
-    batch is split into consecutive chunks of `micro_batch_size` samples (the last may be smaller),
-    each chunk's mean loss is weighted by chunk_size / batch_size, so the accumulated gradient, and
-    hence the update, equals the full batch's (up to float rounding) and no sample is skipped. The
-    size that worked is kept in `step.micro_batch_size` for later calls; `step.oom_count` counts the
-    errors recovered. Models whose output for a sample depends on the rest of the batch (BatchNorm
-    in training mode) get a different update from micro-batches, as they do on any GPU.
+    It runs a `course_utils.step.TrainStep`. On an out-of-memory error in the forward or backward pass it
+    leaves the `except` block (so the failed attempt's tensors are freed), drops the gradients, puts back the
+    buffers the failed forward changed (BatchNorm's running statistics), frees memory, halves the chunk size and
+    runs the same step again: every batch is cut into consecutive chunks of `micro_batch_size` samples, each
+    chunk's loss weighted by its share of the step's samples, so the update equals the whole step's (up to
+    float rounding) and no sample is skipped. A step of several batches (`group`) is split the same way.
+    After `regrow_after` clean steps in chunks it tries whole batches again (activations may have shrunk,
+    or memory was freed elsewhere). `step.micro_batch_size` is the chunk size in use (None: whole batches),
+    `step.oom_count` counts the errors recovered.
+
+    Models whose output for a sample depends on the rest of the batch (BatchNorm in training mode) get a
+    different update from chunks, as they do with gradient accumulation on any GPU.
 
     `loss_fn` must return the batch mean (reduction="mean", the default of PyTorch's losses); pass
-    `reduction="sum"` for a summed loss. `precision` is any object with `autocast()`,
-    `backward(loss)` and `step(optimizer, parameters=..., clip_grad_norm=...)` (e.g.
-    `course_utils.amp.MixedPrecision`); None means float32: `loss.backward()`, optional
-    `clip_grad_norm_(grad_clip)`, `optimizer.step()`.
+    `reduction="sum"` for a summed loss. `precision` defaults to float32 (`MixedPrecision(device, enabled=False)`).
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callable,
-                 precision: Any = None, grad_clip: float | None = None, *, reduction: str = "mean"):
+                 precision: Any = None, grad_clip: float | None = None, *, reduction: str = "mean",
+                 regrow_after: int = 100):
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
-        if grad_clip is not None and not grad_clip > 0:
-            raise ValueError(f"grad_clip must be a positive number or None, got {grad_clip!r}")
-        if reduction not in ("mean", "sum"):
-            raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
-        if precision is not None:
-            missing = [m for m in ("autocast", "backward", "step") if not callable(getattr(precision, m, None))]
-            if missing:
-                raise TypeError(f"precision must have autocast(), backward(loss) and step(optimizer, ...); "
-                                f"{type(precision).__name__} lacks {', '.join(missing)}")
-        self.model = model
-        self.optimizer = optimizer
-        self.loss_fn = loss_fn
-        self.precision = precision
-        self.grad_clip = grad_clip
-        self.reduction = reduction
+        if precision is None:
+            precision = MixedPrecision(_device_of(model), enabled=False)
+        self._setup(TrainStep(model, optimizer, loss_fn, precision, grad_clip, reduction=reduction), regrow_after)
+
+    @classmethod
+    def around(cls, step: TrainStep, regrow_after: int = 100) -> "ResilientStep":
+        """Make an existing `TrainStep` resilient (the Trainer does this with `oom_recovery=True`)."""
+        if not isinstance(step, TrainStep):
+            raise TypeError(f"step must be a course_utils.step.TrainStep, got {type(step).__name__}")
+        self = cls.__new__(cls)
+        self._setup(step, regrow_after)
+        return self
+
+    def _setup(self, step: TrainStep, regrow_after: int) -> None:
+        if isinstance(regrow_after, bool) or not isinstance(regrow_after, int) or regrow_after < 1:
+            raise ValueError(f"regrow_after must be a positive int, got {regrow_after!r}")
+        self.step = step
+        self.regrow_after = regrow_after
         self.micro_batch_size: int | None = None  # None: whole batches fit so far
         self.oom_count = 0
+        self.clean_steps = 0  # steps in a row that fit at the current chunk size
+
+    @property
+    def model(self) -> nn.Module:
+        return self.step.model
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        return self.step.optimizer
+
+    @property
+    def precision(self):
+        return self.step.precision
 
     def __call__(self, inputs, targets) -> torch.Tensor:
-        n = _batch_len(inputs)
-        if _batch_len(targets) != n:
-            raise ValueError(f"inputs have {n} samples but targets have {_batch_len(targets)}")
-        if n == 0:
+        n = batch_len(inputs)
+        if batch_len(targets) != n:
+            raise ValueError(f"inputs have {n} samples but targets have {batch_len(targets)}")
+        return self.group([(inputs, targets)])[0]
+
+    def group(self, batches: list[Batch]) -> list[torch.Tensor]:
+        """One optimizer step over `batches`, in chunks small enough to fit; each batch's mean loss."""
+        largest = max(batch_len(y) for _, y in batches)
+        if largest == 0:
             raise ValueError("empty batch")
+        first_step = not self.optimizer.state  # Adam & co. create their state on their first step
+        buffers = list(self.model.buffers())
         while True:
-            micro = n if self.micro_batch_size is None else min(self.micro_batch_size, n)
+            chunk = self.micro_batch_size if self.micro_batch_size is not None and self.micro_batch_size < largest \
+                else None
+            saved = [b.clone() for b in buffers]  # what the forward may change (BatchNorm statistics)
             failure = None
             try:
-                loss = self._attempt(inputs, targets, n, micro)
+                losses = self.step.group(batches, chunk_size=chunk)
             except Exception as exc:
                 if not is_oom_error(exc):
                     raise
-                if self._in_step:
-                    raise ResilientStepOutOfMemoryError(
-                        f"out of memory in the optimizer step (micro-batch size {micro}): micro-batches "
-                        "only shrink activations, not the step's parameters, gradients and state. Some "
-                        "parameters may already be updated. Original error: " + _first_line(exc)) from None
-                failure = _first_line(exc)  # keep text only: the exception holds the tensors
+                if self.step.in_optimizer_step:
+                    raise ResilientStepOutOfMemoryError(self._step_oom_message(exc, first_step)) from None
+                failure = first_line(exc)  # keep text only: the exception holds the tensors
             if failure is None:
-                if micro < n:
-                    self.micro_batch_size = micro
-                return loss
+                self._clean_step(chunk)
+                return losses
             # Outside the except block: the exception and its traceback are gone, and with them the
             # failed attempt's activations. Now freeing memory can actually free it.
             self.oom_count += 1
             self.optimizer.zero_grad(set_to_none=True)
+            reset = getattr(self.precision, "reset", None)
+            if callable(reset):
+                reset(self.optimizer)
+            with torch.no_grad():
+                for b, s in zip(buffers, saved):
+                    b.copy_(s)
+            del saved
             free_memory()
-            if micro == 1:
+            current = chunk if chunk is not None else largest
+            if current == 1:
                 raise ResilientStepOutOfMemoryError(
                     "out of memory even with micro-batches of 1 sample: the model, its gradients and "
                     "optimizer state plus one sample's activations do not fit. Try mixed precision, "
                     "activation checkpointing, a smaller model or a bigger GPU. Last error: " + failure)
-            self.micro_batch_size = (micro + 1) // 2
+            self.micro_batch_size = (current + 1) // 2
+            self.clean_steps = 0
 
-    _in_step = False
+    def _clean_step(self, chunk: int | None) -> None:
+        if chunk is None:
+            return
+        self.clean_steps += 1
+        if self.clean_steps >= self.regrow_after:  # try whole batches again
+            self.micro_batch_size, self.clean_steps = None, 0
 
-    def _attempt(self, inputs, targets, n: int, micro: int) -> torch.Tensor:
-        self._in_step = False
-        self.optimizer.zero_grad(set_to_none=True)
-        precision = self.precision
-        total = None
-        chunks = zip(_split(inputs, micro), _split(targets, micro)) if micro < n else [(inputs, targets)]
-        for x, y in chunks:
-            if precision is None:
-                loss = _loss_of(self.model, self.loss_fn, x, y)
-            else:
-                with precision.autocast():
-                    loss = _loss_of(self.model, self.loss_fn, x, y)
-            if micro < n and self.reduction == "mean":
-                loss = loss * (_batch_len(y) / n)  # chunk mean -> its share of the batch mean
-            if precision is None:
-                loss.backward()
-            else:
-                precision.backward(loss)
-            part = loss.detach()
-            total = part if total is None else total + part  # stays on the device: no sync
-            del loss
-        self._in_step = True
-        params = [p for g in self.optimizer.param_groups for p in g["params"]] if self.grad_clip else None
-        if precision is None:
-            if self.grad_clip is not None:
-                nn.utils.clip_grad_norm_(params, self.grad_clip)
-            self.optimizer.step()
+    def _step_oom_message(self, exc: BaseException, first_step: bool) -> str:
+        opt = self.optimizer
+        name = type(opt).__name__
+        params = sum(p.numel() * p.element_size() for g in opt.param_groups for p in g["params"])
+        cause = (f"out of memory in the optimizer step ({name}). Smaller chunks cannot help: they only shrink "
+                 "activations, not the parameters, gradients and optimizer state the step works on. ")
+        if first_step:
+            cause += (f"This was the optimizer's first step, when {name} creates its state (Adam and AdamW: two "
+                      f"tensors the size of the parameters, 2 x {format_bytes(params)} here; SGD with momentum: "
+                      "one). Fix: leave room for that state (course_utils.memory.estimate_training_memory counts "
+                      "it), use an optimizer with less state, or pass foreach=False to the optimizer (the "
+                      "default foreach implementation allocates temporaries for all parameters at once). ")
         else:
-            precision.step(self.optimizer, parameters=params, clip_grad_norm=self.grad_clip)
-        self._in_step = False
-        return total
+            cause += ("The optimizer's state already existed, so its temporaries did not fit: pass foreach=False "
+                      "to the optimizer (the foreach implementation allocates temporaries for all parameters at "
+                      "once), or free memory elsewhere. ")
+        return cause + "Some parameters may already be updated. Original error: " + first_line(exc)
+
+    def state_dict(self) -> dict:
+        return {"micro_batch_size": self.micro_batch_size, "clean_steps": self.clean_steps,
+                "oom_count": self.oom_count}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.micro_batch_size = state.get("micro_batch_size")
+        self.clean_steps = state.get("clean_steps", 0)
+        self.oom_count = state.get("oom_count", 0)
 
     def __repr__(self) -> str:
         return (f"ResilientStep(micro_batch_size={self.micro_batch_size}, oom_count={self.oom_count}, "

@@ -276,7 +276,6 @@ def optimizer_params(optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]
         yield from group["params"]
 
 
-_optimizer_params = optimizer_params  # old name, still imported by batch_size.py; remove once it is not
 
 
 def _role_tensors(modules: Iterable[nn.Module], optimizers: Iterable[torch.optim.Optimizer]):

@@ -26,7 +26,7 @@ from collections import deque
 
 import torch
 
-from ..trainer import Callback
+from ..callbacks import Callback
 from . import loop
 from .chart import LineChart
 from ._widgets import display_widget, escape, fmt_duration, set_changed, set_visible
@@ -119,22 +119,22 @@ class TrainingProgress(Callback):
             self._steps_per_epoch = len(trainer.train_loader)
         except TypeError:  # a loader without a length
             self._steps_per_epoch = None
-        self.steps = trainer.global_step
+        self.steps = trainer.batches_trained
         if getattr(trainer, "epochs_this_call", None):  # course_utils.Trainer says how many epochs this call runs
             self.epochs = trainer.epochs_this_call
         if self.auto_display and not self._displayed:
             self.show()
         self.start()
 
-    def on_epoch_start(self, trainer, epoch: int) -> None:
-        self._epoch = epoch
+    def on_epoch_start(self, trainer) -> None:
+        self._epoch = trainer.epoch
         self._epoch_first_step = self.steps
 
-    def on_step_end(self, trainer, step: int, loss: torch.Tensor) -> None:
-        self.update(loss, step=step)
+    def on_batch_end(self, trainer, loss: torch.Tensor) -> None:
+        self.update(loss, step=trainer.batches_trained)
 
-    def on_epoch_end(self, trainer, epoch: int, logs: dict) -> None:
-        self.epoch_logs.append((epoch, self.steps, dict(logs)))
+    def on_epoch_end(self, trainer, logs: dict) -> None:
+        self.epoch_logs.append((trainer.epoch - 1, self.steps, dict(logs)))
 
     def on_train_end(self, trainer) -> None:
         self.stop()

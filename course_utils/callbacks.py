@@ -1,0 +1,149 @@
+"""Callbacks: code that watches a `Trainer` run or acts on it, without editing the loop.
+
+A callback overrides the hooks it needs. The Trainer calls them in this order:
+
+    on_train_start                         once per call of trainer(epochs)
+      on_epoch_start                       every epoch
+        on_batch_start(batch)              every batch, once it is on the device
+        on_after_backward                  every optimizer step: gradients complete (scaled under fp16)
+        on_before_optimizer_step           after unscaling and clipping, just before optimizer.step()
+        on_after_optimizer_step            after it
+        on_batch_end(loss)                 every batch: its mean loss, a detached tensor on the device
+      on_epoch_end(logs)                   logs: {"loss": ..., "val_loss": ..., "val_accuracy": ...}
+    on_train_end                           always, also after Ctrl-C or StopTraining
+
+With `accumulate=k`, an optimizer step follows every k batches. A hook may raise `StopTraining` to end the run
+(the rest of the callbacks still get that event first). Callbacks run in the order of their `order` attribute
+(lower first; the list order among equals), so a scheduler steps before a checkpoint is written whatever
+order they were passed in. `state_dict()` / `load_state_dict()` put a callback's own state in the Trainer's
+checkpoints.
+
+Hooks get no tensors' values: calling `.item()` on `loss` every batch is a CPU-GPU sync, so keep the tensor
+or sum it on the device instead.
+"""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:  # for annotations only: this module does not import the trainer
+    from .trainer import Trainer
+
+HOOKS = ("on_train_start", "on_epoch_start", "on_batch_start", "on_after_backward", "on_before_optimizer_step",
+         "on_after_optimizer_step", "on_batch_end", "on_epoch_end", "on_train_end")
+
+
+class StopTraining(Exception):
+    """Raise from any callback hook to end training; the message says why (kept in `trainer.stop_reason`)."""
+
+
+class Callback:
+    """Override the hooks you need; the others cost nothing (the Trainer only calls overridden ones)."""
+
+    order = 0
+
+    def on_train_start(self, trainer: "Trainer") -> None: ...
+    def on_epoch_start(self, trainer: "Trainer") -> None: ...
+    def on_batch_start(self, trainer: "Trainer", batch) -> None: ...
+    def on_after_backward(self, trainer: "Trainer") -> None: ...
+    def on_before_optimizer_step(self, trainer: "Trainer") -> None: ...
+    def on_after_optimizer_step(self, trainer: "Trainer") -> None: ...
+    def on_batch_end(self, trainer: "Trainer", loss: torch.Tensor) -> None: ...
+    def on_epoch_end(self, trainer: "Trainer", logs: dict) -> None: ...
+    def on_train_end(self, trainer: "Trainer") -> None: ...
+
+    def state_dict(self) -> dict[str, Any]:
+        """This callback's state for a checkpoint (plain values and tensors only)."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what `state_dict()` returned."""
+
+
+def overridden(callback: Callback, hook: str) -> bool:
+    """Whether `callback` does something at `hook` (its class defines it, not only `Callback`)."""
+    return getattr(type(callback), hook, None) is not getattr(Callback, hook)
+
+
+class LRScheduler(Callback):
+    """Step a learning-rate scheduler every epoch (`interval="epoch"`) or after every optimizer step
+    (`interval="step"`, e.g. for OneCycleLR or a warm-up). Its state goes into checkpoints."""
+
+    order = -10  # before callbacks that read the learning rate or save a checkpoint
+
+    def __init__(self, scheduler, interval: str = "epoch"):
+        if interval not in ("epoch", "step"):
+            raise ValueError(f"interval must be 'epoch' or 'step', got {interval!r}")
+        if not callable(getattr(scheduler, "step", None)):
+            raise TypeError(f"scheduler must have a step() method, got {type(scheduler).__name__}")
+        self.scheduler, self.interval = scheduler, interval
+
+    def on_after_optimizer_step(self, trainer) -> None:
+        if self.interval == "step":
+            self.scheduler.step()
+
+    def on_epoch_end(self, trainer, logs) -> None:
+        if self.interval == "epoch":
+            self.scheduler.step()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"scheduler": self.scheduler.state_dict()}
+
+    def load_state_dict(self, state) -> None:
+        self.scheduler.load_state_dict(state["scheduler"])
+
+
+class EarlyStopping(Callback):
+    """Stop when `monitor` (a key of the epoch logs, e.g. "val_loss" or "val_accuracy") has not improved by
+    more than `min_delta` for `patience` epochs. `mode`: "min" (losses) or "max" (accuracies)."""
+
+    def __init__(self, monitor: str = "val_loss", patience: int = 3, min_delta: float = 0.0, mode: str = "min"):
+        if mode not in ("min", "max"):
+            raise ValueError(f"mode must be 'min' or 'max', got {mode!r}")
+        if not isinstance(patience, int) or patience < 1:
+            raise ValueError(f"patience must be a positive int, got {patience!r}")
+        self.monitor, self.patience, self.min_delta, self.mode = monitor, patience, min_delta, mode
+        self.best = math.inf if mode == "min" else -math.inf
+        self.best_epoch: int | None = None
+        self.bad_epochs = 0
+
+    def on_epoch_end(self, trainer, logs) -> None:
+        if self.monitor not in logs:
+            raise KeyError(f"EarlyStopping watches {self.monitor!r}, but the epoch logs have only {sorted(logs)} "
+                           "(val_loss and val_accuracy need Trainer(..., val_loader=...))")
+        value = logs[self.monitor]
+        better = value < self.best - self.min_delta if self.mode == "min" else value > self.best + self.min_delta
+        if better:
+            self.best, self.best_epoch, self.bad_epochs = value, trainer.epoch, 0
+            return
+        self.bad_epochs += 1
+        if self.bad_epochs >= self.patience:
+            raise StopTraining(f"{self.monitor} has not improved for {self.patience} epochs "
+                               f"(best {self.best:.4g} after epoch {self.best_epoch})")
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"best": self.best, "best_epoch": self.best_epoch, "bad_epochs": self.bad_epochs}
+
+    def load_state_dict(self, state) -> None:
+        self.best, self.best_epoch, self.bad_epochs = state["best"], state["best_epoch"], state["bad_epochs"]
+
+
+class Checkpoint(Callback):
+    """Save the Trainer's full state to `path` after every epoch and when training stops early (Ctrl-C,
+    StopTraining), atomically; `Trainer.load_checkpoint(path)` resumes exactly."""
+
+    order = 100  # last: after schedulers and early stopping have updated their state
+
+    def __init__(self, path):
+        self.path = Path(path)
+
+    def on_epoch_end(self, trainer, logs) -> None:
+        trainer.save_checkpoint(self.path)
+
+    def on_train_end(self, trainer) -> None:
+        if trainer.position is not None:  # stopped inside an epoch: save where
+            trainer.save_checkpoint(self.path)
+            print(f"Checkpoint saved to '{self.path.name}' ({trainer.where()}).")

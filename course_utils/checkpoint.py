@@ -1,0 +1,150 @@
+"""Checkpoint files: written atomically, read safely, every failure named with its file.
+
+- `save(state, path)`: a temporary file in the same folder, flushed to disk (fsync), then renamed over the
+  target, so a crash or a Ctrl-C mid-write never leaves a half-written checkpoint.
+- `load(path, map_location)`: `torch.load(weights_only=True)` (no code in the file runs) with a
+  `CheckpointError` that names the file for a missing, truncated, corrupt or foreign file, and for tensors
+  that cannot be mapped to this machine's device.
+- `rng_state()` / `set_rng_state(state)`: Python's, torch's CPU, CUDA and MPS generators, stored as plain
+  bytes, so no `map_location` can move them to a GPU (where `torch.set_rng_state` would refuse them).
+- `generator_state(g)` / `set_generator_state(g, state)`: the same for one `torch.Generator`.
+- `EpochPosition`: where an interrupted epoch stopped, as a small dataclass (stored as a dict of plain values).
+
+Importing this module touches no device.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import random
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+FORMAT = "course_utils.Trainer/2"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint file could not be used (missing, truncated, corrupt, foreign, or not for this device)."""
+
+
+# --- random number generators ------------------------------------------------------------------
+
+def _bytes(t: torch.Tensor) -> bytes:
+    return bytes(t.detach().cpu().contiguous().view(torch.uint8).numpy())
+
+
+def _tensor(b) -> torch.Tensor:
+    if isinstance(b, torch.Tensor):  # a state saved as a tensor, wherever map_location put it
+        return b.detach().to("cpu", torch.uint8)
+    return torch.frombuffer(bytearray(b), dtype=torch.uint8)
+
+
+def _to_lists(x):
+    return [_to_lists(v) for v in x] if isinstance(x, (tuple, list)) else x
+
+
+def _to_tuples(x):
+    return tuple(_to_tuples(v) for v in x) if isinstance(x, list) else x
+
+
+def rng_state() -> dict[str, Any]:
+    """The state of every random number generator a training step may draw from, as plain values."""
+    state: dict[str, Any] = {"python": _to_lists(random.getstate()), "torch": _bytes(torch.get_rng_state())}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = [_bytes(s) for s in torch.cuda.get_rng_state_all()]
+    mps = getattr(torch, "mps", None)
+    if mps is not None and torch.backends.mps.is_available():
+        state["mps"] = _bytes(mps.get_rng_state())
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    """Restore what `rng_state()` returned. The generators get CPU byte tensors, whatever device a loaded
+    checkpoint was mapped to; a CUDA or MPS state is skipped on a machine without that device."""
+    random.setstate(_to_tuples(state["python"]))
+    torch.set_rng_state(_tensor(state["torch"]))
+    if state.get("cuda") is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([_tensor(s) for s in state["cuda"]])
+    if state.get("mps") is not None and torch.backends.mps.is_available():
+        torch.mps.set_rng_state(_tensor(state["mps"]))
+
+
+def generator_state(generator: torch.Generator) -> bytes:
+    return _bytes(generator.get_state())
+
+
+def set_generator_state(generator: torch.Generator, state) -> None:
+    generator.set_state(_tensor(state))
+
+
+# --- where an interrupted epoch stopped -----------------------------------------------------------
+
+@dataclasses.dataclass
+class EpochPosition:
+    """Where an interrupted epoch stopped: enough to finish it exactly as the uninterrupted run would."""
+    batches_done: int        # batches of this epoch already trained on
+    samples_done: int        # their samples
+    loss_sum: float          # sum over those samples of their loss (for the epoch's mean)
+    rng: dict[str, Any]      # the generators when it stopped (`rng_state()`)
+    loader: dict[str, Any]   # how to put the loader back there (`course_utils.loader_state.LoaderState`)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "EpochPosition":
+        names = {f.name for f in dataclasses.fields(cls)}
+        if not isinstance(d, dict) or set(d) != names:
+            raise ValueError(f"an epoch position has the entries {sorted(names)}")
+        return cls(**d)
+
+
+# --- files ----------------------------------------------------------------------------------
+
+def save(state: dict[str, Any], path) -> Path:
+    """Write `state` to `path` atomically (temporary file in the same folder, fsync, rename)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)  # atomic on POSIX and Windows
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    return path
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0][:200] if text else type(exc).__name__
+
+
+def load(path, map_location=None, expected_format: str = FORMAT) -> dict[str, Any]:
+    """Load a checkpoint with `weights_only=True`, or raise `CheckpointError` naming the file."""
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointError(f"checkpoint '{path}' does not exist")
+    try:
+        state = torch.load(path, map_location=map_location, weights_only=True)
+    except Exception as exc:  # truncated zip, bad pickle, wrong file type, disallowed globals, a device...
+        text = str(exc)
+        if "deserialize object on" in text or "device" in text.lower() and "zip" not in text.lower():
+            raise CheckpointError(f"checkpoint '{path}' holds tensors that cannot be mapped to "
+                                  f"{map_location or 'the devices they were saved from'} on this machine "
+                                  f"({type(exc).__name__}: {_first_line(exc)}); pass map_location='cpu' "
+                                  "or the device you train on") from None
+        raise CheckpointError(f"checkpoint '{path}' is truncated or corrupt and cannot be loaded "
+                              f"({type(exc).__name__}: {_first_line(exc)})") from None
+    if not isinstance(state, dict) or state.get("format") != expected_format:
+        found = state.get("format") if isinstance(state, dict) else None
+        extra = f" (format {found!r}, expected {expected_format!r})" if isinstance(found, str) else ""
+        raise CheckpointError(f"'{path}' is a readable file but not a course_utils Trainer checkpoint{extra}")
+    return state

@@ -1,0 +1,160 @@
+"""Saving where a training loader is inside an epoch, so an interrupted run resumes on exactly the same batches.
+
+`LoaderState(loader)` wraps whatever a learner passes as `train_loader`:
+
+- a loader with `state_dict()` / `load_state_dict()` (the torchdata "Stateful" protocol: torchdata's
+  `StatefulDataLoader`, the course's `TensorLoader`): its own state, taken mid-epoch, says where it is;
+- a torch `DataLoader` over a map-style dataset, however it is configured (shuffle, sampler, generator,
+  workers, worker seeds): the order is a function of the random generators when the epoch's iterator was made
+  (the global torch generator, the loader's and its sampler's `generator`). Those are recorded at the start of
+  every epoch; to resume, they are put back, the epoch is started again and the batches already trained on
+  are drawn and dropped (their loading is repeated, their training is not);
+- a list or tuple of batches: the same order every epoch, so skipping is exact;
+- anything else (an iterable whose order cannot be saved): resumed by skipping too, which is only right if it
+  yields the same batches in the same order every pass. `state_dict()` warns once about that, at save time.
+
+Random augmentations done inside *persistent* DataLoader workers draw from the workers' own generators, which
+live in other processes and cannot be saved: the batch order is restored, those draws are not (warned at save
+time). torchdata's `StatefulDataLoader` re-seeds its workers as they were and saves the state of a dataset that has
+`state_dict()`; random draws of a dataset without it start again from the seeds (warned at save time too).
+"""
+from __future__ import annotations
+
+import itertools
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, IterableDataset
+
+from .checkpoint import generator_state, rng_state, set_generator_state, set_rng_state
+
+
+def _generators(loader: DataLoader) -> list[torch.Generator]:
+    """The generators a DataLoader's order depends on besides the global one: its own and its samplers'."""
+    found: dict[int, torch.Generator] = {}
+    batch_sampler = getattr(loader, "batch_sampler", None)
+    for obj in (loader, getattr(loader, "sampler", None), batch_sampler, getattr(batch_sampler, "sampler", None)):
+        g = getattr(obj, "generator", None)
+        if isinstance(g, torch.Generator):
+            found.setdefault(id(g), g)
+    return list(found.values())
+
+
+def _is_stateful(loader) -> bool:
+    return callable(getattr(loader, "state_dict", None)) and callable(getattr(loader, "load_state_dict", None))
+
+
+class LoaderState:
+    """Iterate `loader` epoch by epoch and save or restore the position inside the current epoch.
+
+        state = LoaderState(loader)
+        batches = state.epoch()            # an iterator over this epoch's batches (resumed if loaded)
+        saved = state.state_dict(done)     # after `done` batches of the epoch
+        state.load_state_dict(saved)       # the next epoch() continues from there
+    """
+
+    def __init__(self, loader):
+        self.loader = loader
+        if _is_stateful(loader):
+            self.kind = "stateful"
+        elif isinstance(loader, DataLoader) and not isinstance(loader.dataset, IterableDataset):
+            self.kind = "dataloader"
+        elif isinstance(loader, (list, tuple)):
+            self.kind = "sequence"
+        else:
+            self.kind = "unknown"
+        self._epoch_start: dict[str, Any] | None = None
+        self._pending: dict[str, Any] | None = None
+        self._warned = False
+
+    def epoch(self) -> Iterator:
+        """This epoch's batches: a fresh pass, or, after `load_state_dict`, the rest of an interrupted one."""
+        pending, self._pending = self._pending, None
+        if self.kind == "stateful":
+            if pending is not None:
+                self.loader.load_state_dict(pending["state"])
+            return iter(self.loader)
+        if pending is None:
+            self._epoch_start = self._record_start()
+            return iter(self.loader)
+        self._epoch_start = pending["epoch_start"]
+        self._restore_start(self._epoch_start)
+        it = iter(self.loader)
+        # The batches trained on before the interruption: drawn again (same generators, same order), not trained.
+        skipped = sum(1 for _ in itertools.islice(it, pending["batches_done"]))
+        if skipped < pending["batches_done"]:
+            raise ValueError(f"cannot resume: the checkpoint is {pending['batches_done']} batches into an epoch, "
+                             f"but this loader has only {skipped} batches an epoch")
+        return it
+
+    def _record_start(self) -> dict[str, Any] | None:
+        if self.kind != "dataloader":
+            return None
+        return {"rng": rng_state(), "generators": [generator_state(g) for g in _generators(self.loader)]}
+
+    def _restore_start(self, start: dict[str, Any] | None) -> None:
+        if start is None:
+            return
+        gens = _generators(self.loader)
+        if len(gens) != len(start["generators"]):
+            raise ValueError(f"cannot resume: the checkpoint's loader had {len(start['generators'])} generator(s) "
+                             f"(loader or sampler), this one has {len(gens)}: build it the same way")
+        set_rng_state(start["rng"])
+        for g, s in zip(gens, start["generators"]):
+            set_generator_state(g, s)
+
+    def caveat(self) -> str | None:
+        """Why this loader's position cannot be saved exactly, or None when it can."""
+        name = type(self.loader).__name__
+        if self.kind == "unknown":
+            return (f"the order of a {name} cannot be saved: a resumed run skips the batches already trained on "
+                    f"in a fresh pass, which is the same data only if the {name} yields the same batches in the "
+                    "same order every pass. For an exact resume use course_utils.data.TensorLoader, a torch "
+                    "DataLoader, or torchdata's StatefulDataLoader.")
+        dataset = getattr(self.loader, "dataset", None)
+        if self.kind == "stateful" and getattr(self.loader, "num_workers", 0) > 0 and dataset is not None \
+                and not _is_stateful(dataset):
+            return (f"the {name} restores its workers' seeds, not their random state: random numbers the dataset "
+                    f"({type(dataset).__name__}) draws in the workers (random augmentations) start again from the "
+                    "seeds after a resume. Give the dataset state_dict()/load_state_dict() (torchdata saves them "
+                    "per worker), or draw its randomness from the sample index.")
+        if self.kind == "dataloader" and self.loader.persistent_workers and self.loader.num_workers > 0:
+            return ("the DataLoader has persistent workers: the batch order is restored, but random numbers drawn "
+                    "inside the workers (random augmentations) come from the workers' own generators, which "
+                    "cannot be saved. Use persistent_workers=False, or torchdata's StatefulDataLoader.")
+        return None
+
+    def state_dict(self, batches_done: int | None = None) -> dict[str, Any]:
+        """Where the loader is: `batches_done` batches into the current epoch, or (None) between epochs."""
+        if self.kind == "stateful":  # the loader's own state knows whether it is inside an epoch
+            return {"kind": self.kind, "state": self.loader.state_dict()}
+        if batches_done is None:  # between epochs: the next epoch's order depends on the generators' state now
+            gens = _generators(self.loader) if self.kind == "dataloader" else []
+            return {"kind": self.kind, "generators": [generator_state(g) for g in gens]}
+        return {"kind": self.kind, "batches_done": batches_done, "epoch_start": self._epoch_start}
+
+    def warn_if_inexact(self) -> None:
+        """Say once (a UserWarning) why a mid-epoch position of this loader cannot be restored exactly."""
+        caveat = self.caveat()
+        if caveat is not None and not self._warned:
+            self._warned = True
+            warnings.warn(f"Checkpoint: {caveat}", stacklevel=4)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore `state`: between epochs at once; inside an epoch, the next `epoch()` continues it."""
+        if not isinstance(state, dict) or state.get("kind") != self.kind:
+            found = state.get("kind") if isinstance(state, dict) else None
+            raise ValueError(f"cannot resume: the checkpoint was saved with a loader of kind {found!r}, "
+                             f"this trainer's loader ({type(self.loader).__name__}) is of kind {self.kind!r}")
+        if "generators" in state:
+            gens = _generators(self.loader)
+            if len(gens) != len(state["generators"]):
+                raise ValueError(f"cannot resume: the checkpoint's loader had {len(state['generators'])} "
+                                 f"generator(s) (loader or sampler), this one has {len(gens)}: build it the same way")
+            for g, s in zip(gens, state["generators"]):
+                set_generator_state(g, s)
+            self._pending = None
+        else:
+            self._pending = state

@@ -1,0 +1,150 @@
+"""The training step, written once for the whole package.
+
+    step = TrainStep(model, optimizer, loss_fn, precision)   # precision: e.g. MixedPrecision(device, enabled=False)
+    loss = step(inputs, targets)                              # one optimizer step; the batch's mean loss, detached
+    losses = step.group([(x1, y1), (x2, y2)], chunk_size=16)  # one optimizer step over two batches, in chunks of 16
+
+One step is: zero_grad; for every chunk of every batch of the group, forward + loss under the precision's
+autocast, weighted by the chunk's share of the group's samples, and backward; unscale; clip; optimizer step.
+Splitting a group into batches (gradient accumulation) or a batch into chunks (out-of-memory recovery) does not
+change the update: the weighted chunk losses add up to the mean loss of all the group's samples, so their
+gradients add up to its gradient (up to float rounding).
+
+`precision` is any object with `autocast()`, `backward(loss)`, `unscale_(optimizer)` and `step(optimizer)`;
+`course_utils.amp.MixedPrecision` is one, and with `enabled=False` it is float32: the same calls, doing nothing
+extra. There is no "no precision" case. The `Trainer`, `ResilientStep`, `find_max_batch_size`, the AMP helpers
+and the speed ladder all run their steps through `TrainStep`.
+
+Importing this module touches no device.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+Batch = tuple[Any, Any]  # (inputs, targets); inputs a tensor or a tuple/list of tensors (several model inputs)
+
+
+def batch_len(x) -> int:
+    """Number of samples in `x`: a tensor's first dimension, or that of the first tensor of a tuple/list."""
+    if isinstance(x, torch.Tensor):
+        if x.dim() == 0:
+            raise ValueError("a batch must have a batch dimension (got a 0-d tensor)")
+        return x.shape[0]
+    if isinstance(x, (list, tuple)) and x and all(isinstance(t, torch.Tensor) for t in x):
+        return batch_len(x[0])
+    raise TypeError(f"a batch must be a tensor or a tuple/list of tensors, got {type(x).__name__}")
+
+
+def split(x, size: int) -> list:
+    """`x` (a tensor or a tuple/list of tensors) cut into consecutive chunks of `size` samples (views, no copy)."""
+    if isinstance(x, torch.Tensor):
+        return list(x.split(size))
+    parts = [split(t, size) for t in x]
+    return [type(x)(p) for p in zip(*parts)]
+
+
+def forward(model: nn.Module, inputs):
+    """`model(inputs)`, or `model(*inputs)` when the inputs are a tuple/list of tensors (a model with several)."""
+    return model(*inputs) if isinstance(inputs, (list, tuple)) else model(inputs)
+
+
+def optimizer_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """The parameters `optimizer` updates: the ones to clip."""
+    return [p for group in optimizer.param_groups for p in group["params"]]
+
+
+class TrainStep:
+    """One optimizer step over a group of batches, each optionally cut into chunks.
+
+    `after_backward` and `before_optimizer_step` are callables (or None) run once per step: after the last
+    backward (gradients complete, still scaled under fp16), and after unscaling and clipping, just before
+    `optimizer.step()`. The Trainer connects its callbacks there. `grad_norm` holds the last step's total
+    gradient norm when clipping (a device tensor: reading it is a CPU-GPU sync).
+
+    `reduction` says what `loss_fn` returns: "mean" (PyTorch's default) is weighted by chunk size; "sum" is
+    added as it is.
+    """
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callable, precision,
+                 grad_clip: float | None = None, *, reduction: str = "mean"):
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        if grad_clip is not None and not grad_clip > 0:
+            raise ValueError(f"grad_clip must be a positive number or None, got {grad_clip!r}")
+        if reduction not in ("mean", "sum"):
+            raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
+        missing = [m for m in ("autocast", "backward", "unscale_", "step") if not callable(getattr(precision, m, None))]
+        if missing:
+            raise TypeError(f"precision must have autocast(), backward(loss), unscale_(optimizer) and "
+                            f"step(optimizer), e.g. course_utils.amp.MixedPrecision; "
+                            f"{type(precision).__name__} lacks {', '.join(missing)}")
+        self.model = model
+        self.optimizer = optimizer
+        self.loss_fn = loss_fn
+        self.precision = precision
+        self.grad_clip = grad_clip
+        self.reduction = reduction
+        self.after_backward: Callable[[], None] | None = None
+        self.before_optimizer_step: Callable[[], None] | None = None
+        self.grad_norm: torch.Tensor | None = None
+        self.in_optimizer_step = False  # True while unscale/clip/step run: an error there is not the forward's
+
+    def __call__(self, inputs, targets) -> torch.Tensor:
+        """One step on one batch; returns its mean loss (detached, on the device: no sync)."""
+        return self.group([(inputs, targets)])[0]
+
+    def group(self, batches: Sequence[Batch], chunk_size: int | None = None) -> list[torch.Tensor]:
+        """One optimizer step over `batches`; returns each batch's mean loss (detached, on the device).
+
+        `chunk_size`: run every batch in chunks of at most that many samples (None: whole batches).
+        """
+        sizes = [batch_len(y) for _, y in batches]
+        total = sum(sizes)
+        if total == 0:
+            raise ValueError("empty batch")
+        self.in_optimizer_step = False
+        self.optimizer.zero_grad(set_to_none=True)
+        losses = []
+        for (inputs, targets), n in zip(batches, sizes):
+            if chunk_size is None or chunk_size >= n:
+                losses.append(self._backward(inputs, targets, n, total))
+                continue
+            loss = None
+            for x, y in zip(split(inputs, chunk_size), split(targets, chunk_size)):
+                m = batch_len(y)
+                part = self._backward(x, y, m, total)
+                part = part * (m / n) if self.reduction == "mean" else part  # chunk mean -> share of batch mean
+                loss = part if loss is None else loss + part  # stays on the device: no sync
+            losses.append(loss)
+        if self.after_backward is not None:
+            self.after_backward()
+        self._update()
+        return losses
+
+    def _backward(self, inputs, targets, n: int, total: int) -> torch.Tensor:
+        """Forward, loss and backward of one chunk of `n` of the group's `total` samples; returns its loss
+        (detached, unweighted)."""
+        with self.precision.autocast():
+            loss = self.loss_fn(forward(self.model, inputs), targets)
+        weighted = loss * (n / total) if n != total and self.reduction == "mean" else loss  # share of the group
+        self.precision.backward(weighted)
+        return loss.detach()
+
+    def _update(self) -> None:
+        self.in_optimizer_step = True
+        self.precision.unscale_(self.optimizer)  # fp16: gradients back in true units; otherwise nothing
+        if self.grad_clip is not None:
+            self.grad_norm = nn.utils.clip_grad_norm_(optimizer_params(self.optimizer), self.grad_clip)
+        if self.before_optimizer_step is not None:
+            self.before_optimizer_step()
+        self.precision.step(self.optimizer)
+        self.in_optimizer_step = False
+
+    def __repr__(self) -> str:
+        return f"TrainStep(precision={self.precision!r}, grad_clip={self.grad_clip})"

@@ -1,0 +1,113 @@
+"""A training script for the fresh-process resume test (tests/test_trainer.py), one loader kind per run.
+
+    python resume_worker.py KIND first CKPT     # trains, prints "batch N" lines; a real SIGINT stops it
+    python resume_worker.py KIND finish CKPT    # an uninterrupted reference run, then a resume from CKPT;
+                                                # prints "same" if both end bit-identical, else what differs
+"""
+import sys
+import time
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset, RandomSampler
+
+from course_utils.callbacks import Callback
+from course_utils.data import TensorLoader
+from course_utils.trainer import Trainer
+
+EPOCHS = 3
+
+
+class Noisy(Dataset):
+    """Random augmentation in __getitem__: in workers it draws from the workers' generators."""
+
+    def __init__(self, x, y):
+        self.x, self.y = x, y
+
+    def __len__(self):
+        return len(self.y)
+
+    def __getitem__(self, i):
+        return self.x[i] + 0.1 * torch.randn_like(self.x[i]), self.y[i]
+
+
+class StatefulNoisy(Noisy):
+    """The same augmentation from the dataset's own generator, which it saves (torchdata's Stateful protocol):
+    StatefulDataLoader keeps each worker's dataset state, so the draws continue exactly after a resume."""
+
+    generator = None
+
+    def __getitem__(self, i):
+        if self.generator is None:  # in each worker: seeded from the worker's seed
+            self.generator = torch.Generator().manual_seed(torch.initial_seed())
+        return self.x[i] + 0.1 * torch.randn(self.x[i].shape, generator=self.generator), self.y[i]
+
+    def state_dict(self):
+        return {"generator": None if self.generator is None else self.generator.get_state()}
+
+    def load_state_dict(self, state):
+        if state["generator"] is not None:
+            self.generator = torch.Generator()
+            self.generator.set_state(state["generator"])
+
+
+def data(n=192):
+    g = torch.Generator().manual_seed(0)
+    return torch.randn(n, 1, 8, 8, generator=g), torch.randint(0, 10, (n,), generator=g)
+
+
+def loader(kind):
+    x, y = data()
+    if kind == "tensor":
+        return TensorLoader(x, y, batch_size=16, seed=3)
+    if kind == "dataloader":  # a careful learner's DataLoader: its own generator, workers, augmentation
+        return DataLoader(Noisy(x, y), batch_size=16, shuffle=True, num_workers=2,
+                          generator=torch.Generator().manual_seed(5))
+    if kind == "sampler":  # a sampler with its own generator, distinct from the loader's
+        ds = Noisy(x, y)
+        return DataLoader(ds, batch_size=16, sampler=RandomSampler(ds, generator=torch.Generator().manual_seed(7)))
+    if kind == "stateful":
+        from torchdata.stateful_dataloader import StatefulDataLoader
+        return StatefulDataLoader(StatefulNoisy(x, y), batch_size=16, shuffle=True, num_workers=2,
+                                  generator=torch.Generator().manual_seed(5))
+    if kind == "list":
+        return [(x[i:i + 16], y[i:i + 16]) for i in range(0, len(y), 16)]
+    raise ValueError(kind)
+
+
+def trainer(kind, **kwargs):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Flatten(), nn.Linear(64, 32), nn.ReLU(), nn.Dropout(0.3), nn.Linear(32, 10))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.7)
+    return Trainer(model, opt, nn.CrossEntropyLoss(), loader(kind), device="cpu", scheduler=sched, **kwargs)
+
+
+class Slow(Callback):
+    """Says where it is and gives the test time to press Ctrl-C."""
+
+    def on_batch_end(self, trainer, loss):
+        print(f"batch {trainer.batches_trained}", flush=True)
+        time.sleep(0.05)
+
+
+def main(kind, mode, path):
+    if mode == "first":
+        t = trainer(kind, checkpoint=path, callbacks=[Slow()])
+        t(EPOCHS)
+        print(f"stopped interrupted={t.interrupted} epoch={t.epoch} batches={t.batches_trained}", flush=True)
+        return
+    reference = trainer(kind)
+    reference(EPOCHS)
+    resumed = trainer(kind).load_checkpoint(path)
+    assert resumed.batches_trained > 0, "the checkpoint holds no progress"
+    resumed(EPOCHS - resumed.epoch)
+    diffs = [name for (name, p), q in zip(reference.model.state_dict().items(), resumed.model.state_dict().values())
+             if not torch.equal(p, q)]
+    if resumed.history != reference.history:
+        diffs.append(f"history {resumed.history} != {reference.history}")
+    print("same" if not diffs else f"differ: {diffs}", flush=True)
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:4])
