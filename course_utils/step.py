@@ -104,12 +104,27 @@ class TrainStep:
 
         `chunk_size`: run every batch in chunks of at most that many samples (None: whole batches).
         """
+        self.in_optimizer_step = False
+        self.optimizer.zero_grad(set_to_none=True)
+        if chunk_size is None and len(batches) == 1:  # the usual step: one whole batch, nothing to weigh
+            inputs, targets = batches[0]
+            with self.precision.autocast():
+                loss = self.loss_fn(forward(self.model, inputs), targets)
+            self.precision.backward(loss)
+            losses = [loss.detach()]
+        else:
+            losses = self._weighted(batches, chunk_size)
+        if self.after_backward is not None:
+            self.after_backward()
+        self._update()
+        return losses
+
+    def _weighted(self, batches: Sequence[Batch], chunk_size: int | None) -> list[torch.Tensor]:
+        """Backward of every chunk of every batch, each weighted by its share of all the samples."""
         sizes = [batch_len(y) for _, y in batches]
         total = sum(sizes)
         if total == 0:
             raise ValueError("empty batch")
-        self.in_optimizer_step = False
-        self.optimizer.zero_grad(set_to_none=True)
         losses = []
         for (inputs, targets), n in zip(batches, sizes):
             if chunk_size is None or chunk_size >= n:
@@ -122,9 +137,6 @@ class TrainStep:
                 part = part * (m / n) if self.reduction == "mean" else part  # chunk mean -> share of batch mean
                 loss = part if loss is None else loss + part  # stays on the device: no sync
             losses.append(loss)
-        if self.after_backward is not None:
-            self.after_backward()
-        self._update()
         return losses
 
     def _backward(self, inputs, targets, n: int, total: int) -> torch.Tensor:

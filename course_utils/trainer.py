@@ -33,6 +33,10 @@ __all__ = ["Callback", "CheckpointError", "StopTraining", "Trainer", "move_batch
 
 def move_batch(batch, device: torch.device, non_blocking: bool = True):
     """Move a batch (tensor, or tuple/list/dict of them) to `device`. Tensors already there are not copied."""
+    if type(batch) is tuple and len(batch) == 2:  # the usual (inputs, targets): skip the work if already there
+        x, y = batch
+        if isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) and x.device == device and y.device == device:
+            return batch
     if isinstance(batch, torch.Tensor):
         return batch.to(device, non_blocking=non_blocking)
     if isinstance(batch, (list, tuple)):
@@ -221,7 +225,7 @@ class Trainer:
             self._emit(after_step)
         for (_, targets), loss in zip(group, losses):
             n = batch_len(targets)
-            self._loss_sum += loss * n
+            self._loss_sum.add_(loss, alpha=n)  # one fused op: sum += n * loss
             self._samples += n
             self.batch_in_epoch += 1
             self.batches_trained += 1
