@@ -482,3 +482,24 @@ def test_evaluation_logs_and_clear_errors():
         from course_utils.step import TrainStep
         TrainStep(DropoutNet(), torch.optim.SGD(DropoutNet().parameters(), 0.1), F.cross_entropy, object())
     assert isinstance(make_trainer().precision, MixedPrecision)  # float32 is a precision too: no None
+
+
+def test_loader_caveats_name_what_cannot_be_restored():
+    from torch.utils.data import DataLoader, TensorDataset
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    from course_utils.loader_state import LoaderState
+
+    ds = TensorDataset(*data(32))
+    assert LoaderState(DataLoader(ds, batch_size=8, shuffle=True, num_workers=2)).caveat() is None
+    assert "persistent workers" in LoaderState(DataLoader(ds, batch_size=8, num_workers=2,
+                                                          persistent_workers=True)).caveat()
+    assert "TensorDataset" in LoaderState(StatefulDataLoader(ds, batch_size=8, num_workers=2)).caveat()
+    assert LoaderState(StatefulDataLoader(ds, batch_size=8)).caveat() is None  # draws in this process: restored
+    assert LoaderState(TensorLoader(*data(32))).kind == "stateful"
+
+
+def test_the_trainer_does_not_import_the_monitor():
+    code = "import sys, course_utils.trainer; print('course_utils.monitor' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False"
