@@ -2,7 +2,8 @@
 
 02.1 a forward hook that records activation shapes (and is removed), 02.2 a submodule missing from
 `parameters()`, 02.3 buffers that move with the module, 02.4 deterministic inference (eval mode, no
-graph, mode restored), 02.5 counting trainable parameters.
+graph, mode restored, even when forward raises), 02.5 a debugging hook that finds the first layer whose
+output is NaN, inf or too large.
 
 Checkers build their test models under `torch.random.fork_rng(devices=[])` with a fixed seed, so a check
 is reproducible and leaves the notebook's random state (and CUDA) untouched.
@@ -397,64 +398,184 @@ register(Exercise(
 ))
 
 
-# --- 02.5 counting trainable parameters --------------------------------------------------------
+# --- 02.5 a debugging hook: the first layer that goes wrong ----------------------------------------
 
-def _probe_counting_model() -> tuple[nn.Module, int]:
-    """A model with the traps: a frozen layer, buffers (BatchNorm), and a weight shared by two layers."""
-    model = nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 10))
-    model[3].weight = model[0].weight  # tied: both are the same (10, 4) Parameter
-    model[1].requires_grad_(False)     # frozen: 4*4 + 4 elements that the optimizer must not see
-    # trainable: embedding/tied weight 10*4, BatchNorm weight and bias 4 + 4, last bias 10
-    return model, 10 * 4 + 4 + 4 + 10
+class _Log(nn.Module):
+    """log(x): NaN for negative inputs, as a hand-written loss or normalisation can produce."""
+
+    def forward(self, x):
+        return torch.log(x)
 
 
-def _check_count_trainable(count_trainable):
-    _require_function(count_trainable, "count_trainable")
-    with _seeded():
-        model, expected = _probe_counting_model()
-    got = call(count_trainable, model, name="count_trainable", check_mutation=False)
-    if isinstance(got, torch.Tensor) and got.numel() == 1 and not got.is_floating_point():
-        got = int(got)
-    if isinstance(got, bool) or not isinstance(got, int):
-        raise Incorrect(f"count_trainable should return an int, got {describe(got)}")
-    if got == expected:
-        simple = nn.Linear(3, 2)
-        again = call(count_trainable, simple, name="count_trainable", check_mutation=False)
-        if again != 3 * 2 + 2:
-            raise Incorrect(f"count_trainable(nn.Linear(3, 2)) returned {again!r}, expected 8")
-        return f"{expected} trainable elements: frozen layer, buffers and the second use of the tied weight excluded"
-    n_tensors = len(list(model.parameters()))
-    if got == n_tensors:
-        raise Incorrect(f"got {got}, the number of parameter tensors: likely mistake: counting tensors, not "
-                        "elements; sum p.numel()")
-    if got == sum(t.numel() for t in model.state_dict().values()):
-        raise Incorrect(f"got {got}: likely mistake: state_dict() also holds buffers (BatchNorm's running "
-                        "statistics) and lists a tied weight under both names; use model.parameters()")
-    if got == sum(p.numel() for p in model.parameters()):
-        raise Incorrect(f"got {got}: likely mistake: the frozen layer was counted; keep only parameters with "
-                        "p.requires_grad")
-    if got == sum(p.numel() for _, p in model.named_parameters(remove_duplicate=False) if p.requires_grad):
-        raise Incorrect(f"got {got}: likely mistake: the tied weight was counted twice; model.parameters() "
-                        "yields each shared parameter once")
-    raise Incorrect(f"got {got}, expected {expected} trainable parameter elements")
+class _Shuffled(nn.Module):
+    """Defined in one order, called in another: `late` is registered first but runs after `early` and `bad`."""
+
+    def __init__(self):
+        super().__init__()
+        self.late = nn.Linear(6, 4)
+        self.early = nn.Linear(4, 6)
+        self.bad = _Log()
+        self.act = nn.Tanh()
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x):
+        x = self.bad(self.early(x) - 10)  # log of negative numbers: NaN
+        return self.head(self.late(self.act(x)))
 
 
-_COUNT_DOC = ("def count_trainable(model):\n"
-              "    \"\"\"Trainable parameter elements; a parameter shared by two layers counts once.\"\"\"\n")
+class _Raising(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        self.fc(x)
+        raise RuntimeError("the checker's model failed in forward on purpose")
+
+
+def _cases() -> list[tuple[str, nn.Module, torch.Tensor, str | None]]:
+    """(what it tests, model, input, the expected answer)."""
+    with _seeded(2):
+        x = torch.randn(8, 4)
+        exploding = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 3))
+        with torch.no_grad():
+            exploding[2].weight.mul_(1e5)  # "2" explodes; ReLU "3" and Linear "4" inherit huge values
+        negative = nn.Sequential(nn.Linear(4, 16), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 3))
+        with torch.no_grad():
+            negative[1].weight.mul_(1e5)
+            negative[1].bias.fill_(-1e6)  # "1" outputs huge *negative* values; ReLU "2" zeroes them
+        overflow = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 8), nn.Softplus(), nn.Linear(8, 3))
+        with torch.no_grad():
+            overflow[1].weight.mul_(1e38)  # float32 overflow: inf in "1"
+        healthy = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
+        twice = _TwiceAct()
+        with torch.no_grad():
+            twice.fc2.weight.mul_(1e6)  # "act" is fine on its first call, explodes on its second
+        return [
+            ("a layer whose weights blew up", exploding, x, "2"),
+            ("huge negative values", negative, x, "1"),
+            ("a NaN, with modules called in another order than they are defined", _Shuffled(), x, "bad"),
+            ("an overflow to inf", overflow, x, "1"),
+            ("a healthy model", healthy, x, None),
+            ("a module called twice", twice, x[:, :4], "fc2"),
+        ]
+
+
+def _check_first_bad_layer(first_bad_layer):
+    _require_function(first_bad_layer, "first_bad_layer")
+    for what, model, x, expected in _cases():
+        got = call(first_bad_layer, model, x, name="first_bad_layer", check_mutation=False)
+        left = _hooks_left(model)
+        if left:
+            raise Incorrect(f"after first_bad_layer returned, hooks are still registered on {left}: likely mistake: "
+                            "the hooks were not removed (keep each handle and call handle.remove() in a finally "
+                            "block)")
+        if got == expected:
+            continue
+        if got is not None and not isinstance(got, str):
+            raise Incorrect(f"first_bad_layer should return a module name (a str) or None, got {describe(got)}")
+        names = [name for name, m in model.named_modules() if next(m.children(), None) is None]
+        shown = f"for {what}, first_bad_layer returned {got!r}, expected {expected!r}"
+        if got == "" and expected is not None:
+            raise Incorrect(f"{shown}: likely mistake: the model itself (name '') was hooked; hook only leaf modules")
+        if expected is None:
+            raise Incorrect(f"{shown}: every output of this model is finite and below the limit; return None")
+        if got is None:
+            if what == "huge negative values":
+                raise Incorrect(f"{shown}: likely mistake: only large positive values were looked for; the "
+                                "limit applies to the absolute value (output.abs().max())")
+            if what.startswith("a NaN") or what.startswith("an overflow"):
+                raise Incorrect(f"{shown}: likely mistake: NaN and inf were not looked for (a NaN is not greater "
+                                "than the limit: every comparison with NaN is False); use torch.isfinite")
+            raise Incorrect(f"{shown}: no layer was reported, yet this layer's output exceeds the limit")
+        later = names.index(got) > names.index(expected) if got in names and expected in names else False
+        if what.startswith("a NaN") and got == "late":
+            raise Incorrect(f"{shown}: likely mistake: the layers were examined in the order they are defined "
+                            "(named_modules()), not the order they run; record the first bad output as the hooks "
+                            "fire")
+        if got in names and (later or what == "a module called twice"):
+            raise Incorrect(f"{shown}, a later layer: likely mistake: every bad layer overwrote the answer, so the "
+                            "last one wins; once NaN or a huge value appears, every later layer inherits it. Keep "
+                            "only the first")
+        raise Incorrect(shown)
+    raising = _Raising()
+    try:
+        call(first_bad_layer, raising, torch.ones(2, 4), name="first_bad_layer", check_mutation=False)
+    except Incorrect:
+        pass  # the error may come through; the hooks must not stay behind
+    if _hooks_left(raising):
+        raise Incorrect("when the model's forward raised, first_bad_layer left its hooks behind: likely mistake: "
+                        "the hooks are removed after model(x), which an exception skips; remove them in a "
+                        "`finally` block")
+    return "forward hooks report the first leaf whose output is NaN, inf or too large, in the order they run"
+
+
+_BAD_DOC = ("def first_bad_layer(model, x, limit=1e4):\n"
+            "    \"\"\"Run model(x) once; return the name of the first leaf module, in the order they run, whose\n"
+            "    output holds a NaN, an inf or a value larger than `limit` in absolute value (None if none).\"\"\"\n")
+_BAD_SOLUTION = _BAD_DOC + (
+    "    found, handles = [], []\n"
+    "    for name, module in model.named_modules():\n"
+    "        if next(module.children(), None) is None:  # a leaf\n"
+    "            def hook(mod, inputs, output, name=name):\n"
+    "                if not found and not (torch.isfinite(output).all() and output.abs().max() <= limit):\n"
+    "                    found.append(name)\n"
+    "            handles.append(module.register_forward_hook(hook))\n"
+    "    try:\n"
+    "        with torch.no_grad():\n"
+    "            model(x)\n"
+    "    finally:\n"
+    "        for handle in handles:\n"
+    "            handle.remove()\n"
+    "    return found[0] if found else None\n")
+
+
+def _bad_variant(condition: str = "not (torch.isfinite(output).all() and output.abs().max() <= limit)",
+                 first: bool = True, remove: str = "finally") -> str:
+    record = (f"                if not found and {condition}:\n                    found.append(name)\n" if first
+              else f"                if {condition}:\n                    found.append(name)\n")
+    body = (_BAD_DOC + "    found, handles = [], []\n"
+            "    for name, module in model.named_modules():\n"
+            "        if next(module.children(), None) is None:\n"
+            "            def hook(mod, inputs, output, name=name):\n" + record
+            + "            handles.append(module.register_forward_hook(hook))\n")
+    if remove == "finally":
+        body += ("    try:\n        model(x)\n    finally:\n        for handle in handles:\n"
+                 "            handle.remove()\n")
+    elif remove == "after":
+        body += "    model(x)\n    for handle in handles:\n        handle.remove()\n"
+    else:
+        body += "    model(x)\n"
+    return body + ("    return found[0] if found else None\n" if first else "    return found[-1] if found else None\n")
+
 
 register(Exercise(
-    id="02.5", title="Counting trainable parameters", answer="count_trainable",
-    blank=_COUNT_DOC + "    raise NotImplementedError  # your code here\n",
-    solution=_COUNT_DOC + "    return sum(p.numel() for p in model.parameters() if p.requires_grad)\n",
+    id="02.5", title="A debugging hook: the first layer that goes wrong", answer="first_bad_layer",
+    blank=_BAD_DOC + "    raise NotImplementedError  # your code here\n",
+    solution=_BAD_SOLUTION,
     setup="import torch\nfrom torch import nn\n",
-    checker=_check_count_trainable,
-    hints=["p.numel() is the number of elements of a tensor; model.parameters() yields each parameter once.",
-           "A frozen parameter has p.requires_grad == False."],
+    checker=_check_first_bad_layer,
+    hints=["The same pattern as exercise 02.1: one forward hook per leaf module, removed in a finally block.",
+           "A hook fires when its module's forward returns, so the hooks fire in the order the layers run. Keep "
+           "only the first bad name: every later layer inherits a NaN or a huge value.",
+           "A NaN compares False with everything, so `output.abs().max() > limit` misses it: test "
+           "`torch.isfinite(output).all()` too."],
     mistakes=[
-        Mistake(_COUNT_DOC + "    return len(list(model.parameters()))\n", "tensors, not elements"),
-        Mistake(_COUNT_DOC + "    return sum(t.numel() for t in model.state_dict().values())\n", "buffers"),
-        Mistake(_COUNT_DOC + "    return sum(p.numel() for p in model.parameters())\n", "requires_grad"),
-        Mistake(_COUNT_DOC + ("    return sum(p.numel() for _, p in model.named_parameters(remove_duplicate=False)"
-                              " if p.requires_grad)\n"), "counted twice"),
+        Mistake(_bad_variant(first=False), "the last one wins"),
+        Mistake(_bad_variant("bool(output.abs().max() > limit)"), "NaN and inf were not looked for"),
+        Mistake(_bad_variant("not (torch.isfinite(output).all() and output.max() <= limit)"),
+                "absolute value"),
+        Mistake(_bad_variant(remove="never"), "hooks were not removed"),
+        Mistake(_bad_variant(remove="after"), "`finally` block"),
+        Mistake(_BAD_DOC + (
+            "    bad = {}\n    handles = []\n"
+            "    for name, module in model.named_modules():\n"
+            "        if next(module.children(), None) is None:\n"
+            "            def hook(mod, inputs, output, name=name):\n"
+            "                bad[name] = not (torch.isfinite(output).all() and output.abs().max() <= limit)\n"
+            "            handles.append(module.register_forward_hook(hook))\n"
+            "    try:\n        model(x)\n    finally:\n        for handle in handles:\n            handle.remove()\n"
+            "    for name, _ in model.named_modules():\n"
+            "        if bad.get(name):\n            return name\n    return None\n"), "the order they are defined"),
     ],
 ))
