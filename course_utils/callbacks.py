@@ -146,4 +146,5 @@ class Checkpoint(Callback):
     def on_train_end(self, trainer) -> None:
         if trainer.position is not None:  # stopped inside an epoch: save where
             trainer.save_checkpoint(self.path)
-            print(f"Checkpoint saved to '{self.path.name}' ({trainer.where()}).")
+            if trainer.is_main:
+                print(f"Checkpoint saved to '{self.path.name}' ({trainer.where()}).")

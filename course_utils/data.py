@@ -11,6 +11,7 @@
 """
 from __future__ import annotations
 
+import copy
 import math
 import socket
 
@@ -273,6 +274,10 @@ class TensorLoader:
     The fast alternative to DataLoader when the data fits in (GPU) memory: the tensors are moved to
     `device` once, shuffling is one randperm on that device, and each batch is an index_select. No
     worker processes, no per-sample Python, no host-to-device copy per step.
+
+    `shard(rank, world_size)` gives one rank of a data-parallel run its share: every rank draws the same
+    permutation (same seed) and takes every world_size-th sample of it (padded at the end by wrapping around,
+    as DistributedSampler does, so all ranks get as many batches). `batch_size` is then per rank.
     """
 
     def __init__(self, images: torch.Tensor, labels: torch.Tensor, batch_size: int = 64, shuffle: bool = True,
@@ -291,13 +296,27 @@ class TensorLoader:
         self._epoch_start: torch.Tensor | None = None  # generator state the current epoch's order came from
         self._yielded = 0                             # batches of the current epoch handed out so far
         self._skip = 0                                # batches to leave out of the next epoch (a resume)
+        self.rank, self.world_size = 0, 1
+
+    def shard(self, rank: int, world_size: int) -> "TensorLoader":
+        """This loader for rank `rank` of `world_size` (the same tensors, the same shuffling state)."""
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
+        shard = copy.copy(self)
+        shard.generator = torch.Generator(device="cpu")
+        shard.generator.set_state(self.generator.get_state())
+        shard.rank, shard.world_size = rank, world_size
+        return shard
+
+    def _samples(self) -> int:
+        return math.ceil(len(self.labels) / self.world_size)
 
     @classmethod
     def from_dataset(cls, dataset: ImageDataset, **kwargs) -> "TensorLoader":
         return cls(dataset.images, dataset.labels, **kwargs)
 
     def __len__(self) -> int:
-        n = len(self.labels)
+        n = self._samples()
         return n // self.batch_size if self.drop_last else math.ceil(n / self.batch_size)
 
     def __iter__(self):
@@ -305,9 +324,14 @@ class TensorLoader:
         self._epoch_start = self.generator.get_state()
         if self.shuffle:
             # permutation drawn on the CPU generator (reproducible on every device), copied once per epoch
-            order = torch.randperm(n, generator=self.generator).to(self.device, non_blocking=True)
+            order = torch.randperm(n, generator=self.generator)
         else:
-            order = None
+            order = None if self.world_size == 1 else torch.arange(n)
+        if self.world_size > 1:  # this rank's share: every world_size-th sample, padded by wrapping around
+            pad = self._samples() * self.world_size - n
+            order = torch.cat([order, order[:pad]])[self.rank::self.world_size]
+        if order is not None:
+            order = order.to(self.device, non_blocking=True)
         start, self._skip = self._skip, 0
         self._yielded = start
         for i in range(start, len(self)):

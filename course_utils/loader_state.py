@@ -69,8 +69,13 @@ class LoaderState:
         self._pending: dict[str, Any] | None = None
         self._warned = False
 
-    def epoch(self) -> Iterator:
-        """This epoch's batches: a fresh pass, or, after `load_state_dict`, the rest of an interrupted one."""
+    def epoch(self, number: int = 0) -> Iterator:
+        """The batches of epoch `number` (counted from 0): a fresh pass, or, after `load_state_dict`, the rest
+        of an interrupted one. A sampler with `set_epoch` (DistributedSampler) is told the number first, so it
+        shuffles differently every epoch."""
+        set_epoch = getattr(getattr(self.loader, "sampler", None), "set_epoch", None)
+        if callable(set_epoch):
+            set_epoch(number)
         pending, self._pending = self._pending, None
         if self.kind == "stateful":
             if pending is not None:

@@ -19,6 +19,7 @@ Importing this module touches no device.
 """
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -125,18 +126,22 @@ class TrainStep:
         total = sum(sizes)
         if total == 0:
             raise ValueError("empty batch")
-        losses = []
-        for (inputs, targets), n in zip(batches, sizes):
+        chunks = []  # (batch index, inputs, targets, samples) for every chunk of every batch
+        for b, ((inputs, targets), n) in enumerate(zip(batches, sizes)):
             if chunk_size is None or chunk_size >= n:
-                losses.append(self._backward(inputs, targets, n, total))
-                continue
-            loss = None
-            for x, y in zip(split(inputs, chunk_size), split(targets, chunk_size)):
-                m = batch_len(y)
+                chunks.append((b, inputs, targets, n))
+            else:
+                chunks += [(b, x, y, batch_len(y)) for x, y in zip(split(inputs, chunk_size), split(targets, chunk_size))]
+        # DistributedDataParallel all-reduces gradients in backward: only in the last one of the step
+        no_sync = getattr(self.model, "no_sync", None)
+        losses: list = [None] * len(batches)
+        for i, (b, x, y, m) in enumerate(chunks):
+            quiet = no_sync() if no_sync is not None and i < len(chunks) - 1 else contextlib.nullcontext()
+            with quiet:
                 part = self._backward(x, y, m, total)
-                part = part * (m / n) if self.reduction == "mean" else part  # chunk mean -> share of batch mean
-                loss = part if loss is None else loss + part  # stays on the device: no sync
-            losses.append(loss)
+            if m != sizes[b] and self.reduction == "mean":
+                part = part * (m / sizes[b])  # chunk mean -> its share of the batch mean
+            losses[b] = part if losses[b] is None else losses[b] + part  # stays on the device: no sync
         return losses
 
     def _backward(self, inputs, targets, n: int, total: int) -> torch.Tensor:

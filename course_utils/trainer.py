@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from . import checkpoint as ckpt
+from . import distributed
 from .amp import MixedPrecision
 from .callbacks import HOOKS, Callback, Checkpoint, LRScheduler, StopTraining, overridden
 from .checkpoint import CheckpointError, EpochPosition
@@ -112,22 +113,35 @@ class Trainer:
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn, train_loader,
                  device=None, callbacks=(), *, val_loader=None, mixed_precision=False, accumulate: int = 1,
-                 grad_clip: float | None = None, oom_recovery: bool = False, checkpoint=None, scheduler=None):
+                 grad_clip: float | None = None, oom_recovery: bool = False, checkpoint=None, scheduler=None,
+                 sync_batchnorm: bool = False):
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
         if isinstance(accumulate, bool) or not isinstance(accumulate, int) or accumulate < 1:
             raise ValueError(f"accumulate must be a positive int, got {accumulate!r}")
-        self.device = device if isinstance(device, torch.device) else get_device(device)
+        device = device if isinstance(device, torch.device) else get_device(device)
+        # Under torchrun: join the process group; one GPU per local rank (or the CPU, with gloo).
+        self.process = distributed.setup(device.type)
+        self.device = distributed.device_for(self.process, device.type) if self.process is not None else device
+        if sync_batchnorm and self.process is not None:
+            model = nn.SyncBatchNorm.convert_sync_batchnorm(model)  # the same parameters, in new modules
         self.model = model.to(self.device)  # modules move in place; the optimizer's parameters stay the same objects
+        self.train_model = self.model  # what the step runs: the model itself, or its DistributedDataParallel wrapper
+        if self.process is not None:
+            from torch.nn.parallel import DistributedDataParallel
+            self.train_model = DistributedDataParallel(
+                self.model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
+            train_loader = distributed.shard_loader(train_loader, self.process)
+            val_loader = distributed.shard_loader(val_loader, self.process) if val_loader is not None else None
         self.optimizer = optimizer
         self.loss_fn = loss_fn
         self.train_loader = train_loader
         self.val_loader = val_loader
         self.accumulate = accumulate
         self.precision = _precision(mixed_precision, self.device)
-        self.train_step = TrainStep(model, optimizer, loss_fn, self.precision, grad_clip)
+        self.train_step = TrainStep(self.train_model, optimizer, loss_fn, self.precision, grad_clip)
         self.step = ResilientStep.around(self.train_step) if oom_recovery else self.train_step
         self.callbacks: list[Callback] = list(callbacks)
         if scheduler is not None:
@@ -179,14 +193,16 @@ class Trainer:
         hooks = hooks if hooks is not None else self._connect()
         self.model.train()
         position, self.position = self.position, None
-        batches = self._loader.epoch()  # positioned where an interrupted epoch stopped, if one did
+        batches = self._loader.epoch(self.epoch)  # positioned where an interrupted epoch stopped, if one did
         if position is None:
             self._loss_sum = torch.zeros((), device=self.device)  # running sum stays on the device: no per-step sync
             self._samples = self.batch_in_epoch = 0
         else:
             ckpt.set_rng_state(position.rng)
-            self._loss_sum = torch.tensor(position.loss_sum, device=self.device)
-            self._samples, self.batch_in_epoch = position.samples_done, position.batches_done
+            main = self.process is None or self.process.is_main  # the saved sums are global: count them once
+            self._loss_sum = torch.tensor(position.loss_sum if main else 0.0, device=self.device)
+            self._samples = position.samples_done if main else 0
+            self.batch_in_epoch = position.batches_done
         batch_start, batch_end = hooks["on_batch_start"], hooks["on_batch_end"]
         after_step = hooks["on_after_optimizer_step"]
         group: list = []
@@ -200,7 +216,10 @@ class Trainer:
                     continue
                 self._step(group, after_step, batch_end)
                 group = []
-                if interrupt is not None and interrupt.requested:
+                requested = interrupt is not None and interrupt.requested
+                if self.process is not None:  # a Ctrl-C that reached one rank stops all of them here
+                    requested = distributed.agree(requested, self.process)
+                if requested:
                     raise KeyboardInterrupt
             if group:  # the last, smaller group of the epoch
                 self._step(group, after_step, batch_end)
@@ -210,13 +229,24 @@ class Trainer:
             self.optimizer.zero_grad(set_to_none=True)
             if isinstance(exc, StopTraining):
                 self.stop_reason = str(exc) or "a callback raised StopTraining"
-            self.position = EpochPosition(self.batch_in_epoch, self._samples, float(self._loss_sum), ckpt.rng_state(),
+            loss_sum, samples = self._global_sums()
+            self.position = EpochPosition(self.batch_in_epoch, samples, loss_sum, ckpt.rng_state(),
                                           self._loader.state_dict(self.batch_in_epoch))
             self._loader.load_state_dict(self.position.loader)  # a next call continues here, also in this process
             return None
         if self._samples == 0:
             raise ValueError("train_loader produced no batches")
-        return (self._loss_sum / self._samples).item()  # the one CPU-GPU sync point of the epoch
+        if self.process is None:
+            return (self._loss_sum / self._samples).item()  # the one CPU-GPU sync point of the epoch
+        loss_sum, samples = self._global_sums()
+        return loss_sum / samples
+
+    def _global_sums(self) -> tuple[float, int]:
+        """(sum of the loss over the epoch's samples so far, their number), over all ranks: a sync point."""
+        sums = torch.stack([self._loss_sum.double(), torch.tensor(float(self._samples), dtype=torch.float64,
+                                                                  device=self._loss_sum.device)])
+        loss_sum, samples = distributed.all_sum(sums, self.process).tolist()
+        return loss_sum, int(samples)
 
     def _step(self, group, after_step, batch_end) -> None:
         losses = self.step.group(group)
@@ -262,7 +292,8 @@ class Trainer:
                         self._emit(hooks["on_epoch_end"], logs)
                     except StopTraining as exc:
                         self.stop_reason = str(exc) or "a callback raised StopTraining"
-                        print(f"Training stopped after epoch {self.epoch}: {self.stop_reason}.")
+                        if self.is_main:
+                            print(f"Training stopped after epoch {self.epoch}: {self.stop_reason}.")
                         break
         finally:
             self._emit(hooks["on_train_end"])
@@ -277,6 +308,9 @@ class Trainer:
         return f"epoch {self.epoch + 1}, batch {self.batch_in_epoch}{of}"
 
     def _stopped_early(self) -> None:
+        if not self.is_main:
+            self.interrupted = self.stop_reason is None
+            return
         if self.stop_reason is not None:
             print(f"Training stopped at {self.where()}: {self.stop_reason}. Call the trainer again to continue.")
             return
@@ -288,23 +322,31 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self, loader) -> dict:
-        """Mean loss and accuracy over `loader`, in eval mode; one sync at the end."""
+        """Mean loss and accuracy over `loader`, in eval mode; one sync at the end. In a distributed run each
+        rank evaluates its share and the sums are added over ranks: the same figures on every rank."""
         was_training = self.model.training
         self.model.eval()
-        total_loss = torch.zeros((), device=self.device)
-        correct = torch.zeros((), device=self.device, dtype=torch.long)
+        total_loss = torch.zeros((), device=self.device, dtype=torch.float64)
+        correct = torch.zeros((), device=self.device, dtype=torch.float64)
         count = 0
         for batch in loader:
             inputs, targets = move_batch(batch, self.device)
             with self.precision.autocast():
-                logits = self.model(inputs)
+                logits = self.model(inputs)  # the model itself: no DistributedDataParallel collectives here
             total_loss += self.loss_fn(logits.float(), targets) * len(targets)
             correct += (logits.argmax(1) == targets).sum()
             count += len(targets)
         self.model.train(was_training)
+        sums = torch.stack([total_loss, correct, torch.tensor(float(count), dtype=torch.float64, device=self.device)])
+        total_loss, correct, count = distributed.all_sum(sums, self.process).tolist()  # CPU-GPU sync point here
         if count == 0:
             raise ValueError("the evaluation loader produced no batches")
-        return {"loss": (total_loss / count).item(), "accuracy": correct.item() / count}
+        return {"loss": total_loss / count, "accuracy": correct / count}
+
+    @property
+    def is_main(self) -> bool:
+        """True in a single process, and on rank 0 of a distributed run (the rank that prints and saves)."""
+        return self.process is None or self.process.is_main
 
     # --- checkpoints -----------------------------------------------------------------------------
 
@@ -326,7 +368,9 @@ class Trainer:
             "optimizer_steps": self.optimizer_steps,
             "history": list(self.history),
             "logs": [dict(x) for x in self.logs],
-            "rng": ckpt.rng_state(),
+            "world_size": self.process.world_size if self.process is not None else 1,
+            # every rank's generators (they differ: dropout masks, augmentations), rank 0's first
+            "rng": distributed.gather_objects(ckpt.rng_state(), self.process),
             "loader": position.loader if position is not None else self._loader.state_dict(),
             "position": position.to_dict() if position is not None else None,
         }
@@ -343,7 +387,14 @@ class Trainer:
         self.optimizer_steps = state["optimizer_steps"]
         self.history = list(state["history"])
         self.logs = [dict(x) for x in state["logs"]]
-        ckpt.set_rng_state(state["rng"])
+        rngs = state["rng"] if isinstance(state["rng"], list) else [state["rng"]]
+        rank = self.process.rank if self.process is not None else 0
+        ckpt.set_rng_state(rngs[rank] if rank < len(rngs) else rngs[0])
+        world = self.process.world_size if self.process is not None else 1
+        if state["position"] is not None and state.get("world_size", 1) != world:
+            raise ValueError(f"the checkpoint stopped inside an epoch of a run with {state.get('world_size', 1)} "
+                             f"process(es); resume it with the same number (this run has {world}), or resume "
+                             "from a checkpoint written at the end of an epoch")
         self._loader.load_state_dict(state["loader"])
         self.position = EpochPosition.from_dict(state["position"]) if state["position"] is not None else None
         self.batch_in_epoch = self.position.batches_done if self.position is not None else 0
@@ -363,8 +414,15 @@ class Trainer:
 
     def save_checkpoint(self, path) -> Path:
         """Write the full state to `path` atomically: a temporary file in the same folder, flushed to disk,
-        then renamed over the target, so a crash mid-write never leaves a half-written checkpoint."""
-        return ckpt.save(self.state_dict(), path)
+        then renamed over the target, so a crash mid-write never leaves a half-written checkpoint. In a
+        distributed run every rank calls it (the state gathers every rank's generators), rank 0 writes the
+        file, and all ranks wait for it (a barrier) before going on."""
+        state = self.state_dict()
+        path = Path(path)
+        if self.is_main:
+            ckpt.save(state, path)
+        distributed.barrier(self.process)
+        return path
 
     def load_checkpoint(self, path, map_location=None) -> "Trainer":
         """Restore a checkpoint written by `save_checkpoint` (loaded with weights_only=True: no code runs).

@@ -331,14 +331,14 @@ def test_rng_states_are_restored_whatever_device_the_checkpoint_was_mapped_to(tm
     make_trainer(path)(1)
     state = read_checkpoint(path, map_location="meta")  # a non-CPU device: every tensor of the file goes there
     assert state["model"]["net.1.weight"].device.type == "meta"
-    ckpt.set_rng_state(state["rng"])
+    ckpt.set_rng_state(state["rng"][0])  # one entry per rank: a single process has one
     a = torch.rand(3)
-    ckpt.set_rng_state(read_checkpoint(path)["rng"])
+    ckpt.set_rng_state(read_checkpoint(path)["rng"][0])
     assert torch.equal(a, torch.rand(3))
     # a state kept as a tensor (what torch.get_rng_state() returns) works too
     saved = torch.get_rng_state()
     b = torch.rand(3)
-    ckpt.set_rng_state({"python": state["rng"]["python"], "torch": saved})
+    ckpt.set_rng_state({"python": state["rng"][0]["python"], "torch": saved})
     assert torch.equal(b, torch.rand(3))
 
 

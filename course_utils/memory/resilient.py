@@ -113,6 +113,13 @@ class ResilientStep:
                     raise
                 if self.step.in_optimizer_step:
                     raise ResilientStepOutOfMemoryError(self._step_oom_message(exc, first_step)) from None
+                if hasattr(self.step.model, "no_sync"):  # DistributedDataParallel: the ranks must agree
+                    raise ResilientStepOutOfMemoryError(
+                        "out of memory in a distributed run: every rank must split its batch the same way, and "
+                        "the ranks cannot agree on a new split in the middle of a step (the others are already "
+                        "waiting to exchange gradients). Stopping every rank instead of hanging: start again "
+                        "with a smaller per-rank batch_size and accumulate=k for the same global batch. "
+                        "Error: " + first_line(exc)) from None
                 failure = first_line(exc)  # keep text only: the exception holds the tensors
             if failure is None:
                 self._clean_step(chunk)

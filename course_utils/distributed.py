@@ -1,0 +1,166 @@
+"""Data parallelism with `torch.distributed`, the way `torchrun` starts it.
+
+`torchrun --nproc-per-node N script.py` starts N copies of the script and gives each the environment variables
+RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT. `Process.from_environment()` reads them, and
+`setup()` joins the process group they describe: NCCL between CUDA GPUs (one GPU per local rank), gloo on
+CPUs, with a timeout so that a rank that died turns into an error on the others instead of a hang.
+
+The pieces the `Trainer` uses (a plain script that builds a Trainer runs data-parallel under torchrun unchanged):
+- `shard_loader(loader, process)`: the loader of this rank's share of every epoch (a `DistributedSampler` for a
+  torch DataLoader, re-shuffled each epoch with `set_epoch`; a rank shard for `TensorLoader`). Its batch size is
+  per rank, PyTorch's convention: the global batch is `world_size` times larger.
+- `all_sum(values, process)`: sums over ranks (epoch losses and validation metrics are global, the same on every
+  rank).
+- `agree(flag, process)`: True on every rank if it is True on any (a Ctrl-C that reached only some ranks stops all
+  of them at the same step). It uses a gloo group on the CPU, so it never waits for a GPU.
+- `gather_objects(obj, process)`: one Python object from every rank (the random generators' states).
+
+Importing this module touches no device and starts nothing.
+"""
+from __future__ import annotations
+
+import atexit
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, SequentialSampler
+
+ENV_TIMEOUT = "COURSE_DIST_TIMEOUT"  # seconds a collective may wait for the other ranks (default 300)
+
+
+@dataclass
+class Process:
+    """This process's place in a distributed run."""
+    rank: int
+    world_size: int
+    local_rank: int
+    backend: str = ""
+    cpu_group: object | None = None  # a gloo group for small CPU-side agreements
+
+    @property
+    def is_main(self) -> bool:
+        """Rank 0: the one that prints and writes checkpoints."""
+        return self.rank == 0
+
+    @classmethod
+    def from_environment(cls, env=None) -> "Process | None":
+        """The rank, world size and local rank torchrun set, or None outside a distributed launch (or with
+        WORLD_SIZE=1: one process is not distributed)."""
+        env = os.environ if env is None else env
+        if "RANK" not in env or "WORLD_SIZE" not in env:
+            return None
+        world = int(env["WORLD_SIZE"])
+        if world < 2:
+            return None
+        return cls(int(env["RANK"]), world, int(env.get("LOCAL_RANK", env["RANK"])))
+
+
+def timeout_seconds() -> float:
+    return float(os.environ.get(ENV_TIMEOUT, "300"))
+
+
+def setup(device_type: str | None = None) -> "Process | None":
+    """Join the process group torchrun describes (once per process) and return this process's place in it.
+
+    `device_type`: "cuda" for NCCL with one GPU per local rank, "cpu" for gloo; default: CUDA if available.
+    Returns None when the script was not launched as several processes.
+    """
+    process = Process.from_environment()
+    if process is None:
+        return None
+    if device_type is None:
+        device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    process.backend = "nccl" if device_type == "cuda" else "gloo"
+    if not dist.is_initialized():
+        if device_type == "cuda":
+            torch.cuda.set_device(process.local_rank)
+        dist.init_process_group(process.backend, timeout=timedelta(seconds=timeout_seconds()))
+        atexit.register(_destroy)
+    elif dist.get_world_size() != process.world_size:
+        raise RuntimeError(f"a process group of {dist.get_world_size()} ranks exists, but WORLD_SIZE says "
+                           f"{process.world_size}")
+    process.backend = dist.get_backend()
+    process.cpu_group = dist.new_group(backend="gloo") if process.backend != "gloo" else None
+    return process
+
+
+def _destroy() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def device_for(process: Process, device_type: str) -> torch.device:
+    """One GPU per local rank on CUDA; the CPU otherwise."""
+    return torch.device("cuda", process.local_rank) if device_type == "cuda" else torch.device("cpu")
+
+
+def shard_loader(loader, process: Process):
+    """`loader` restricted to this rank's share of each epoch.
+
+    - a `TensorLoader`: `loader.shard(rank, world_size)` (every rank draws the same permutation, from the same
+      seed, and takes every world_size-th sample of it);
+    - a torch DataLoader over a map-style dataset with a shuffling or sequential sampler: the same loader built
+      again with a `DistributedSampler` (same shuffling, the seed of the loader's generator; padded, as PyTorch
+      does, so every rank gets the same number of batches). A DataLoader that already has a DistributedSampler is
+      kept. torchdata's StatefulDataLoader is rebuilt the same way.
+    Anything else raises: a rank must not silently train on the data of all ranks.
+    """
+    shard = getattr(loader, "shard", None)
+    if callable(shard):
+        return shard(process.rank, process.world_size)
+    if not isinstance(loader, DataLoader) and not hasattr(loader, "sampler"):
+        raise TypeError(f"cannot split a {type(loader).__name__} across {process.world_size} ranks: pass a "
+                        "course_utils.data.TensorLoader or a torch DataLoader, or give every rank its own share "
+                        "through a DataLoader with a DistributedSampler")
+    sampler = loader.sampler
+    if isinstance(sampler, DistributedSampler):
+        return loader
+    if not isinstance(sampler, (RandomSampler, SequentialSampler)) or loader.batch_sampler is None:
+        raise TypeError(f"this DataLoader uses a {type(sampler).__name__}: build it with a "
+                        "torch.utils.data.DistributedSampler yourself so that each rank draws its own share")
+    seed = loader.generator.initial_seed() if loader.generator is not None else 0
+    distributed = DistributedSampler(loader.dataset, num_replicas=process.world_size, rank=process.rank,
+                                     shuffle=isinstance(sampler, RandomSampler), seed=seed)
+    kwargs = dict(batch_size=loader.batch_size, sampler=distributed, num_workers=loader.num_workers,
+                  collate_fn=loader.collate_fn, pin_memory=loader.pin_memory, drop_last=loader.drop_last,
+                  timeout=loader.timeout, worker_init_fn=loader.worker_init_fn,
+                  multiprocessing_context=loader.multiprocessing_context, generator=loader.generator,
+                  persistent_workers=loader.persistent_workers)
+    if loader.num_workers > 0:
+        kwargs["prefetch_factor"] = loader.prefetch_factor
+    return type(loader)(loader.dataset, **kwargs)
+
+
+def all_sum(values: torch.Tensor, process: Process | None) -> torch.Tensor:
+    """`values` summed over all ranks (the same result on every rank); unchanged outside a distributed run."""
+    if process is None:
+        return values
+    values = values.clone()
+    dist.all_reduce(values, op=dist.ReduceOp.SUM)
+    return values
+
+
+def agree(flag: bool, process: Process | None) -> bool:
+    """True on every rank if `flag` is True on any rank. A CPU all-reduce (no GPU sync)."""
+    if process is None:
+        return flag
+    t = torch.tensor([1 if flag else 0])
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=process.cpu_group)
+    return bool(t.item())
+
+
+def gather_objects(obj, process: Process | None) -> list:
+    """[obj of rank 0, obj of rank 1, ...] on every rank; [obj] outside a distributed run."""
+    if process is None:
+        return [obj]
+    out = [None] * process.world_size
+    dist.all_gather_object(out, obj, group=process.cpu_group)
+    return out
+
+
+def barrier(process: Process | None) -> None:
+    if process is not None:
+        dist.barrier(group=process.cpu_group)
