@@ -1,19 +1,22 @@
 """Exercises of notebook 03, "Moving models and data between devices".
 
-03.1 move an input to the model's device and dtype, 03.2 move a nested batch without touching the
-caller's, 03.3 the order of a training step, 03.4 load a checkpoint saved on another device, safely.
+03.1 move an input to the model's device and dtype, 03.2 move a nested batch (namedtuples and OrderedDicts
+included) without touching the caller's, 03.3 DataLoader settings that feed a training step of a given time,
+03.4 load a checkpoint saved on another device, safely.
 The checkers use the `meta` device and checkpoints tagged with a CUDA device this machine lacks, so
 every check behaves the same with or without a GPU.
 """
 from __future__ import annotations
 
 import io
+import warnings
 import zipfile
 from collections import OrderedDict
 from typing import NamedTuple
 
 import torch
 from torch import nn
+from torch.utils.data import DataLoader
 
 from .core import Exercise, Incorrect, Mistake, call, describe, register
 
@@ -246,63 +249,140 @@ register(Exercise(
 ))
 
 
-# --- 03.3 the order of a training step --------------------------------------------------------
+# --- 03.3 a DataLoader that feeds the step -------------------------------------------------------
 
-_STEPS = {
-    "A": "optimizer = torch.optim.SGD(model.parameters(), lr=0.1)",
-    "B": "model = model.to(device)",
-    "C": "x, y = x.to(device), y.to(device)",
-    "D": "loss = loss_fn(model(x), y)",
-    "E": "loss.backward()",
-    "F": "optimizer.step()",
-    "G": "optimizer.zero_grad()",
-}
+class _Samples(torch.utils.data.Dataset):
+    def __len__(self):
+        return 1024
+
+    def __getitem__(self, i):
+        return torch.zeros(3), 0
 
 
-def _check_order(order):
-    if isinstance(order, (list, tuple)) and all(isinstance(s, str) for s in order):
-        order = "".join(order)
-    if not isinstance(order, str):
-        raise Incorrect(f"answer should be a string of the seven letters, like \"ABCDEFG\", got {describe(order)}")
-    letters = order.replace(" ", "").replace(",", "").upper()
-    if sorted(letters) != sorted(_STEPS):
-        raise Incorrect(f"use each of the letters A to G exactly once (got {order!r})")
-    pos = {letter: letters.index(letter) for letter in letters}
-    if pos["A"] < pos["B"]:
-        raise Incorrect("the optimizer is created before the model is moved: likely mistake: move the model before "
-                        "creating the optimizer. The optimizer keeps references to the parameters; Module.to() "
-                        "converts them in place today, but PyTorch's docs ask for this order because other ways of "
-                        "moving (or loading) can leave the optimizer holding tensors the model no longer uses")
-    if min(pos[s] for s in "CDEFG") < pos["A"]:
-        raise Incorrect("a loop step comes before the setup: moving the model and creating the optimizer happen "
-                        "once, before the loop")
-    if pos["D"] < pos["C"]:
-        raise Incorrect("the forward pass runs before the batch is moved: the inputs must be on the model's device "
-                        "before the forward pass, or you get 'Expected all tensors to be on the same device'")
-    if pos["F"] < pos["E"]:
-        raise Incorrect("optimizer.step() comes before backward(): likely mistake: the step would use the gradients "
-                        "of the previous batch (or none at all); step after backward")
-    if pos["E"] < pos["D"]:
-        raise Incorrect("backward() comes before the loss is computed")
-    if pos["E"] < pos["G"] < pos["F"]:
-        raise Incorrect("zero_grad() sits between backward() and step(): it erases the gradients just computed, so "
-                        "the step does nothing; zero the gradients before backward (or after step)")
-    return "setup once (model to the device, then the optimizer), then per batch: move, zero, forward, backward, step"
+# (per-sample work in ms, training step in ms, batch size, CPU cores, device type)
+_FEED_CASES = [
+    (0.5, 20.0, 64, 8, "cuda"),   # 32 ms per batch and worker, a 20 ms step: 2 workers
+    (2.0, 10.0, 32, 16, "cuda"),  # 64 ms per batch and worker, a 10 ms step: 7 workers (6.4 is not enough)
+    (0.0, 5.0, 256, 8, "cuda"),   # data already in memory, nothing per sample: no workers
+    (1.0, 4.0, 64, 4, "cuda"),    # 16 workers would be needed; 4 cores leave room for 3 beside the main process
+    (0.5, 20.0, 64, 8, "cpu"),    # as the first, without a GPU
+]
+
+
+def _expected_settings(sample_ms, step_ms, batch_size, cores, device_type) -> dict:
+    import math
+    needed = math.ceil(batch_size * sample_ms / step_ms) if sample_ms > 0 else 0
+    workers = min(needed, cores - 1)
+    return {"batch_size": batch_size, "num_workers": workers, "persistent_workers": workers > 0,
+            "pin_memory": device_type == "cuda" and workers > 0}
+
+
+def _check_loader_settings(loader_settings):
+    if isinstance(loader_settings, type) or not callable(loader_settings):
+        raise Incorrect(f"loader_settings should be a function, got {describe(loader_settings)}")
+    import math
+    for case in _FEED_CASES:
+        sample_ms, step_ms, batch_size, cores, device_type = case
+        label = (f"loader_settings(sample_ms={sample_ms}, step_ms={step_ms}, batch_size={batch_size}, "
+                 f"cores={cores}, device_type={device_type!r})")
+        got = call(loader_settings, *case, name="loader_settings")
+        if not isinstance(got, dict):
+            raise Incorrect(f"{label} should return a dict of DataLoader arguments, got {describe(got)}")
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # "this DataLoader will create N worker processes": not on this machine
+                DataLoader(_Samples(), **got)
+        except (TypeError, ValueError) as exc:
+            if "persistent_workers" in str(exc):
+                raise Incorrect(f"{label}: DataLoader(**settings) raised {type(exc).__name__}: {exc}: likely "
+                                "mistake: persistent_workers=True with num_workers=0; there are no workers to keep"
+                                ) from None
+            raise Incorrect(f"{label}: DataLoader(**settings) raised {type(exc).__name__}: {exc}") from None
+        expected = _expected_settings(*case)
+        workers = got.get("num_workers", 0)
+        if got.get("batch_size", 1) != batch_size:
+            raise Incorrect(f"{label} returned batch_size={got.get('batch_size', 1)!r}: the step was timed at "
+                            f"batch {batch_size}; keep it")
+        if workers != expected["num_workers"]:
+            per_batch = batch_size * sample_ms
+            needed = math.ceil(per_batch / step_ms) if sample_ms > 0 else 0
+            if sample_ms == 0:
+                raise Incorrect(f"{label} returned num_workers={workers}: with no per-sample work (data already in "
+                                "memory) workers only add start-up and the trip through shared memory; use 0")
+            if workers > cores - 1:
+                raise Incorrect(f"{label} returned num_workers={workers}, on {cores} cores: likely mistake: more "
+                                "workers than the cores beside the main process; they only compete with each "
+                                f"other and with the training loop. Use at most cores - 1 = {cores - 1}")
+            if workers < expected["num_workers"]:
+                supply = per_batch / workers if workers else per_batch + step_ms
+                raise Incorrect(f"{label} returned num_workers={workers}: one worker prepares a batch in "
+                                f"batch_size x sample_ms = {per_batch:g} ms, so {workers} supply one every "
+                                f"{supply:g} ms, slower than the {step_ms:g} ms step: likely mistake: rounding down "
+                                f"(or forgetting the batch size); {needed} workers are needed")
+            raise Incorrect(f"{label} returned num_workers={workers}: {expected['num_workers']} keep up with the "
+                            f"step (each prepares a batch in {per_batch:g} ms); more only cost start-up and memory")
+        if bool(got.get("persistent_workers", False)) != expected["persistent_workers"]:
+            raise Incorrect(f"{label} returned persistent_workers={got.get('persistent_workers', False)!r}: likely "
+                            "mistake: without it the workers are started again at every epoch (the first batch of "
+                            "each epoch waits for them); keep them with persistent_workers=True")
+        if bool(got.get("pin_memory", False)) != expected["pin_memory"]:
+            if device_type != "cuda":
+                raise Incorrect(f"{label} returned pin_memory=True: likely mistake: pinned memory is for copies to "
+                                "a CUDA GPU; without one there is nothing to pin for (DataLoader warns)")
+            if workers == 0:
+                raise Incorrect(f"{label} returned pin_memory=True with no workers: likely mistake: then the main "
+                                "process pins every batch itself, between steps: that is pinning on the fly, which "
+                                "costs about what the plain copy it replaces costs. Pin when workers (and the "
+                                "loader's pinning thread) do it in the background")
+            raise Incorrect(f"{label} returned pin_memory=False: with workers, the loader's pinning thread pins "
+                            "each batch in the background, and a pinned batch copies faster (and with "
+                            "non_blocking=True without making the CPU wait); use pin_memory=True on CUDA")
+    return ("each worker prepares a batch in batch_size x sample_ms; ceil(that / step_ms) workers keep up, within "
+            "the cores beside the main process, kept alive between epochs, pinning in the background on CUDA")
+
+
+_FEED_DOC = ("def loader_settings(sample_ms, step_ms, batch_size, cores, device_type):\n"
+             "    \"\"\"DataLoader arguments (a dict for DataLoader(dataset, **settings)) that feed a training step of\n"
+             "    step_ms milliseconds at batch_size, when each sample needs sample_ms of CPU work.\"\"\"\n")
+_FEED_SOLUTION = _FEED_DOC + (
+    "    per_batch = batch_size * sample_ms  # ms one worker needs for one batch\n"
+    "    workers = math.ceil(per_batch / step_ms) if sample_ms > 0 else 0\n"
+    "    workers = min(workers, cores - 1)  # one core stays with the main process\n"
+    "    return {\"batch_size\": batch_size, \"num_workers\": workers, \"persistent_workers\": workers > 0,\n"
+    "            \"pin_memory\": device_type == \"cuda\" and workers > 0}\n")
+
+
+def _feed(workers: str, persistent: str = "workers > 0", pin: str = "device_type == \"cuda\" and workers > 0") -> str:
+    return _FEED_DOC + (f"    workers = {workers}\n"
+                        f"    return {{\"batch_size\": batch_size, \"num_workers\": workers, "
+                        f"\"persistent_workers\": {persistent},\n            \"pin_memory\": {pin}}}\n")
 
 
 register(Exercise(
-    id="03.3", title="The order of a training step", answer="order",
-    blank="order = ...\n",
-    solution="order = \"BACGDEF\"\n",
-    checker=_check_order,
-    hints=["Two lines happen once before the loop; which of them needs the other's result?",
-           "Inside the loop: the data must meet the model on its device before forward; gradients must exist "
-           "before step; zeroing must not wipe them in between."],
+    id="03.3", title="A DataLoader that feeds the step", answer="loader_settings",
+    blank=_FEED_DOC + "    raise NotImplementedError  # your code here\n",
+    solution=_FEED_SOLUTION,
+    setup="import math\n",
+    checker=_check_loader_settings,
+    hints=["One worker prepares a whole batch: batch_size * sample_ms milliseconds. k workers working side by side "
+           "deliver k batches in that time; the loop consumes one every step_ms.",
+           "Round up (math.ceil): 6.4 workers' worth of work needs 7. No per-sample work needs no workers. Leave "
+           "one core for the main process.",
+           "persistent_workers only makes sense with workers; pin_memory only with a CUDA GPU, and pays when "
+           "workers run (the loader then pins in a background thread)."],
     mistakes=[
-        Mistake("order = \"ABCGDEF\"\n", "before creating the optimizer"),
-        Mistake("order = \"BAGDCEF\"\n", "before the forward pass"),
-        Mistake("order = \"BACGDFE\"\n", "step after backward"),
-        Mistake("order = \"BACDEGF\"\n", "erases the gradients"),
+        Mistake(_feed("4"), "more only cost"),
+        Mistake(_feed("int(batch_size * sample_ms / step_ms)"), "rounding down"),
+        Mistake(_feed("math.ceil(sample_ms / step_ms) if sample_ms > 0 else 0"), "forgetting the batch size"),
+        Mistake(_feed("math.ceil(batch_size * sample_ms / step_ms) if sample_ms > 0 else 0"), "cores - 1"),
+        Mistake(_feed("min(math.ceil(batch_size * sample_ms / step_ms), cores - 1)", persistent="True"),
+                "persistent_workers=True with num_workers=0"),
+        Mistake(_feed("min(math.ceil(batch_size * sample_ms / step_ms), cores - 1)", persistent="False"),
+                "started again at every epoch"),
+        Mistake(_feed("min(math.ceil(batch_size * sample_ms / step_ms), cores - 1)", pin="True"),
+                "pinning on the fly"),
+        Mistake(_feed("min(math.ceil(batch_size * sample_ms / step_ms), cores - 1)", pin="device_type == \"cuda\""),
+                "pinning on the fly"),
     ],
 ))
 
