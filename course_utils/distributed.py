@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import sys
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -78,6 +79,7 @@ def setup(device_type: str | None = None) -> "Process | None":
         if device_type == "cuda":
             torch.cuda.set_device(process.local_rank)
         dist.init_process_group(process.backend, timeout=timedelta(seconds=timeout_seconds()))
+        sys.excepthook = _note_failure(sys.excepthook)
         atexit.register(_destroy)
     elif dist.get_world_size() != process.world_size:
         raise RuntimeError(f"a process group of {dist.get_world_size()} ranks exists, but WORLD_SIZE says "
@@ -87,9 +89,31 @@ def setup(device_type: str | None = None) -> "Process | None":
     return process
 
 
+_failed = False
+
+
+def _note_failure(hook):
+    def excepthook(*exc_info):
+        global _failed
+        _failed = True
+        hook(*exc_info)
+    return excepthook
+
+
 def _destroy() -> None:
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    """At exit: wait for the other ranks (so none tears its connections down while another still uses them),
+    then leave the group. After an uncaught exception, leave at once: torchrun stops the others."""
+    if not dist.is_initialized():
+        return
+    if not _failed:
+        try:
+            if dist.get_backend() == "gloo":
+                dist.monitored_barrier(timeout=timedelta(seconds=30))
+            else:
+                dist.barrier()
+        except Exception:  # a rank is gone already: nothing left to wait for
+            pass
+    dist.destroy_process_group()
 
 
 def device_for(process: Process, device_type: str) -> torch.device:
