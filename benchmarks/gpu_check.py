@@ -229,6 +229,33 @@ def memory(ctx: Context) -> dict:
     return _sibling("gpu_memory").run(ctx.device, quick=ctx.dry_run)
 
 
+@section("ddp")
+def ddp(ctx: Context) -> dict:
+    """Notebook 08: all-reduce cost and DDP step overhead with NCCL, one process per GPU (needs 2+ GPUs; the dry
+    run uses 2 CPU processes on gloo)."""
+    import json
+    import os
+    import subprocess
+    import tempfile
+
+    gpus = torch.cuda.device_count() if ctx.device.type == "cuda" else 0
+    if gpus < 2 and not ctx.dry_run:
+        return {"skipped": f"needs 2 or more GPUs, this machine has {gpus}"}
+    nproc = min(gpus, 8) if gpus >= 2 else 2
+    quick = ["--sizes", "1000,100000", "--repeats", "2", "--rounds", "1", "--steps", "1"] if ctx.dry_run else []
+    with tempfile.TemporaryDirectory() as folder:
+        out = Path(folder) / "ddp.json"
+        env = dict(os.environ, OMP_NUM_THREADS="1")
+        if ctx.dry_run:
+            env["CUDA_VISIBLE_DEVICES"] = ""
+        run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                              f"--nproc-per-node={nproc}", "-m", "course_utils.examples.allreduce_cost",
+                              "--out", str(out), *quick], capture_output=True, text=True, timeout=600, env=env)
+        if run.returncode != 0:
+            raise RuntimeError(f"torchrun failed: {run.stderr.strip().splitlines()[-1] if run.stderr else run.returncode}")
+        return json.loads(out.read_text())
+
+
 @section("monitor")
 def monitor(ctx: Context) -> dict:
     """Notebooks 00 and 07: which NVML fields this GPU reports, and that the monitor sees allocations."""
