@@ -26,7 +26,7 @@ from .callbacks import HOOKS, Callback, Checkpoint, LRScheduler, StopTraining, o
 from .checkpoint import CheckpointError, EpochPosition
 from .device import get_device
 from .loader_state import LoaderState
-from .memory import ResilientStep
+from .memory import ResilientStep, check_fits, warn_if_too_big
 from .step import TrainStep, batch_len
 
 __all__ = ["Callback", "CheckpointError", "StopTraining", "Trainer", "move_batch", "read_checkpoint"]
@@ -159,6 +159,7 @@ class Trainer:
         self.interrupted = False
         self.stop_reason: str | None = None
         self.epochs_this_call = 0
+        self._memory_checked = False  # the memory check runs once, before this trainer's first step
 
     # --- callbacks ---------------------------------------------------------------------------
 
@@ -249,6 +250,8 @@ class Trainer:
         return loss_sum, int(samples)
 
     def _step(self, group, after_step, batch_end) -> None:
+        if not self._memory_checked:
+            self._check_memory(group[0])
         losses = self.step.group(group)
         self.optimizer_steps += 1
         if after_step:
@@ -261,6 +264,18 @@ class Trainer:
             self.batches_trained += 1
             if batch_end:
                 self._emit(batch_end, loss)
+
+    def _check_memory(self, batch) -> None:
+        """Before the first step: warn, with the numbers, if the estimator predicts the step will not fit."""
+        self._memory_checked = True
+        low = self.precision.dtype if self.precision.enabled else None
+        check = check_fits(self.model, self.optimizer, batch, self.loss_fn, self.device, autocast_dtype=low)
+        if self.step is not self.train_step:
+            remedy = "oom_recovery=True will split the batch when it happens, at some cost in speed."
+        else:
+            remedy = ("use a smaller batch_size (with accumulate=k for the same update), mixed_precision=True, "
+                      "activation checkpointing (course_utils.memory.checkpointed), or oom_recovery=True.")
+        warn_if_too_big(check, remedy)
 
     def __call__(self, epochs: int = 1) -> list[float]:
         if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 0:

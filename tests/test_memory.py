@@ -330,8 +330,8 @@ def test_simulated_oom_is_a_torch_out_of_memory_error_with_a_cuda_like_message()
         assert msg.startswith("CUDA out of memory. Tried to allocate")  # as code written for CUDA expects
         assert "Simulated by course_utils.memory.SimulatedGPU" in msg
         assert f"Tried to allocate {format_bytes(1_200_128)}" in msg
-        assert f"{format_bytes(counted(keep))} already allocated" in msg
-        assert "1.00 MiB total capacity" in msg
+        assert f"Of the allocated memory {format_bytes(counted(keep))} is allocated by PyTorch" in msg
+        assert "GPU 0 has a total capacity of 1.00 MiB of which" in msg
         assert err.requested == 1_200_128 and err.allocated == counted(keep) and err.budget == 2**20
         assert is_oom_error(err)
         del err
@@ -980,3 +980,28 @@ def test_measure_peak_reports_the_blocks_peak_and_keeps_the_larger_outer_peak():
             plain_step(model, opt, x, y)
     assert reading.bytes == step_peak
     assert gpu.max_memory_allocated() == outer_peak > step_peak
+
+
+def test_simulated_oom_message_is_worded_as_this_torch_words_cuda_s():
+    """The phrases of SimulatedGPU's message, in order, against the ones compiled into this torch's CUDA allocator."""
+    import re
+    from pathlib import Path
+
+    lib = Path(torch.__file__).parent / "lib" / "libc10_cuda.so"
+    if not lib.exists():
+        pytest.skip("this torch has no CUDA allocator to compare with (a CPU-only build)")
+    compiled = lib.read_bytes()
+    phrases = ["CUDA out of memory. Tried to allocate ", ". GPU ", " has a total capacity of ", " of which ",
+               " is free. ", "Of the allocated memory ", " is allocated by PyTorch, ", "and ",
+               " is reserved by PyTorch but unallocated."]
+    missing = [p for p in phrases if p.encode() + b"\0" not in compiled and p.encode() not in compiled]
+    assert not missing, f"torch's CUDA message no longer has {missing}: update SimulatedGPU's"
+    with SimulatedGPU("1MiB") as gpu:
+        with pytest.raises(torch.OutOfMemoryError) as info:
+            torch.zeros(2 ** 20)
+    size = r"[0-9.]+ (?:bytes|KiB|MiB|GiB)"
+    pattern = (re.escape(phrases[0]) + size + re.escape(phrases[1]) + r"\d+" + re.escape(phrases[2]) + size
+               + re.escape(phrases[3]) + size + re.escape(phrases[4]) + re.escape(phrases[5]) + size
+               + re.escape(phrases[6] + phrases[7]) + size + re.escape(phrases[8]))
+    assert re.match(pattern, str(info.value)), str(info.value)
+    assert gpu.oom_count == 1

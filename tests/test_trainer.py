@@ -503,3 +503,34 @@ def test_the_trainer_does_not_import_the_monitor():
     code = "import sys, course_utils.trainer; print('course_utils.monitor' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"
+
+
+def test_memory_check_before_the_first_step_warns_with_the_numbers():
+    from course_utils.memory import MemoryWarning
+
+    x, y = torch.randn(64, 1, 28, 28), torch.randint(0, 10, (64,))
+
+    def run(budget, **kwargs):
+        torch.manual_seed(0)
+        model = SimpleCNN()
+        opt = torch.optim.Adam(model.parameters())
+        trainer = Trainer(model, opt, nn.CrossEntropyLoss(), TensorLoader(x, y, 64), device="cpu", **kwargs)
+        with SimulatedGPU(budget, model=model, optimizer=opt) as gpu:
+            import warnings
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                try:
+                    trainer(1)
+                except torch.OutOfMemoryError:
+                    pass
+        return [w for w in caught if issubclass(w.category, MemoryWarning)], gpu
+
+    quiet, gpu = run("1GiB")
+    assert quiet == []
+    peak = gpu.max_memory_allocated()
+    warned, gpu = run(int(peak * 0.7))
+    assert len(warned) == 1 and gpu.oom_count >= 1  # the warning came true
+    text = str(warned[0].message)
+    assert "batches of 64" in text and "free" in text and "smaller batch_size" in text
+    warned, _ = run(int(peak * 0.7), oom_recovery=True)
+    assert len(warned) == 1 and "oom_recovery=True will split" in str(warned[0].message)

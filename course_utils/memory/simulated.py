@@ -336,8 +336,9 @@ class SimulatedGPU:
     tracked are not counted (`x.to("cpu")` on a CPU tensor is the same tensor: `track(x)` it).
 
     When an operator's new storages would take the total past the budget, they are dropped and a
-    `SimulatedOutOfMemoryError` (a `torch.OutOfMemoryError`) is raised whose message starts with
-    "CUDA out of memory. Tried to allocate" and says it was simulated. (The check runs right after the
+    `SimulatedOutOfMemoryError` (a `torch.OutOfMemoryError`) is raised, worded as current CUDA PyTorch words
+    it ("CUDA out of memory. Tried to allocate ... GPU 0 has a total capacity of ... of which ... is free. Of
+    the allocated memory ... is allocated by PyTorch, ...") and saying it was simulated. (The check runs right after the
     operator, so the CPU did hold the memory for a moment; `resize_` is checked before it runs.)
     Not counted, unlike on a real GPU: the CUDA context, cuBLAS/cuDNN workspaces, kernels' internal
     scratch buffers, fragmentation in the caching allocator. Only operators run on this thread are
@@ -486,12 +487,14 @@ class SimulatedGPU:
         if before + grown <= self.budget:
             return
         self.oom_count += 1
-        # Starts exactly like CUDA's message, so code that matches "CUDA out of memory." still does.
+        # Worded as CUDA's caching allocator words it (c10/cuda/CUDACachingAllocator.cpp), so code and people that
+        # read CUDA's message read this one; a simulated GPU has no other processes and no cache.
         raise SimulatedOutOfMemoryError(
-            f"CUDA out of memory. Tried to allocate {format_bytes(grown)} (simulated GPU; "
-            f"{format_bytes(self.budget)} total capacity; {format_bytes(before)} already allocated; "
-            f"{format_bytes(max(self.budget - before, 0))} free). Simulated by course_utils.memory.SimulatedGPU "
-            "on the CPU: no real GPU was involved.",
+            f"CUDA out of memory. Tried to allocate {format_bytes(grown)}. GPU 0 has a total capacity of "
+            f"{format_bytes(self.budget)} of which {format_bytes(max(self.budget - before, 0))} is free. "
+            f"Of the allocated memory {format_bytes(before)} is allocated by PyTorch, and 0 bytes is reserved by "
+            "PyTorch but unallocated. (Simulated by course_utils.memory.SimulatedGPU on the CPU: no real GPU was "
+            "involved.)",
             requested=grown, allocated=before, budget=self.budget)
 
     def __repr__(self) -> str:

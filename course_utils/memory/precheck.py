@@ -1,0 +1,83 @@
+"""Will the step fit? A check before the first training step, with the numbers.
+
+`check_fits(model, optimizer, batch, loss_fn)` predicts the step's peak with `estimate_training_memory` (fake
+tensors: nothing is allocated) and compares what the step still needs with the memory free for it: a
+`SimulatedGPU`'s budget left, or on CUDA the device's free memory plus what PyTorch's cache holds unused. The
+`Trainer` runs it before its first step and warns (`MemoryWarning`) when the step will not fit.
+"""
+from __future__ import annotations
+
+import contextlib
+import warnings
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .estimate import MemoryEstimate, estimate_training_memory
+from .simulated import active_simulated_gpu
+from .sizes import format_bytes
+
+
+class MemoryWarning(UserWarning):
+    """A training step is predicted not to fit in the memory free for it."""
+
+
+@dataclass
+class FitCheck:
+    """What one training step needs beyond what is already allocated, and what is free for it."""
+    needed: int           # the predicted peak minus the parameters and the batch, which already exist
+    free: int
+    where: str            # "the simulated GPU", "cuda:0"
+    estimate: MemoryEstimate
+    batch_size: int
+
+    @property
+    def fits(self) -> bool:
+        return self.needed <= self.free
+
+    def __str__(self) -> str:
+        e = self.estimate
+        return (f"one step on batches of {self.batch_size} needs about {format_bytes(self.needed)} more than "
+                f"the model and the batch (predicted peak {format_bytes(e.total)}: gradients "
+                f"{format_bytes(e.gradients)}, optimizer state {format_bytes(e.optimizer_state)}, activations "
+                f"{format_bytes(e.activations)}), and {self.where} has {format_bytes(self.free)} free")
+
+
+def free_for_training(device: torch.device) -> tuple[int, str] | None:
+    """(bytes free for tensors, where) on `device`: a SimulatedGPU's budget left, or CUDA's free memory plus the
+    unused part of PyTorch's cache; None where nothing is known (a CPU without a simulated budget)."""
+    sim = active_simulated_gpu()
+    if sim is not None:
+        return max(sim.budget - sim.memory_allocated(), 0), "the simulated GPU"
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        return free + cached, str(device)
+    return None
+
+
+def check_fits(model: nn.Module, optimizer: torch.optim.Optimizer, batch, loss_fn, device: torch.device,
+               autocast_dtype: torch.dtype | None = None) -> FitCheck | None:
+    """Predict whether a training step on `batch` (inputs, targets) fits; None when it cannot be told (no
+    memory figure for this device, or a model the estimator cannot run on fake tensors)."""
+    free = free_for_training(device)
+    if free is None:
+        return None
+    sim = active_simulated_gpu()
+    try:
+        with sim.paused() if sim is not None else contextlib.nullcontext():
+            estimate = estimate_training_memory(model, optimizer, batch, loss_fn, autocast_dtype=autocast_dtype)
+    except (RuntimeError, TypeError, ValueError):
+        return None
+    needed = estimate.total - estimate.parameters - estimate.batch
+    inputs = batch[0] if isinstance(batch, (tuple, list)) else batch
+    size = len(inputs[0]) if isinstance(inputs, (tuple, list)) else len(inputs)
+    return FitCheck(needed, free[0], free[1], estimate, size)
+
+
+def warn_if_too_big(check: FitCheck | None, remedy: str) -> None:
+    """A `MemoryWarning` with the numbers when `check` says the step will not fit."""
+    if check is not None and not check.fits:
+        warnings.warn(f"Memory check before the first step: {check}. It will likely run out of memory: {remedy}",
+                      MemoryWarning, stacklevel=3)
