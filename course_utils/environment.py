@@ -18,8 +18,8 @@ from . import nvml as nvml_reader
 from .device import get_device, mps_available
 
 __all__ = [
-    "EnvironmentReport", "NvmlInfo", "Step", "TorchInfo", "describe_environment", "diagnose", "query_nvml",
-    "query_torch",
+    "MIN_DRIVER_BRANCH", "EnvironmentReport", "NvmlInfo", "Step", "TorchInfo", "build_supports_gpu",
+    "describe_environment", "diagnose", "driver_runs_build", "gpu_support_problems", "query_nvml", "query_torch",
 ]
 
 
@@ -33,6 +33,7 @@ class NvmlInfo:
     driver_version: str | None = None
     cuda_driver_version: tuple[int, int] | None = None  # highest CUDA runtime the driver supports
     gpus: list[str] = field(default_factory=list)
+    capabilities: list[tuple[int, int] | None] = field(default_factory=list)  # compute capability per GPU
 
 
 def query_nvml(nvml=None) -> NvmlInfo:
@@ -49,7 +50,9 @@ def query_nvml(nvml=None) -> NvmlInfo:
         info = NvmlInfo(True, driver_version=nvml_reader.driver_version(nvml),
                         cuda_driver_version=nvml_reader.cuda_driver_version(nvml))
         try:
-            info.gpus = [nvml_reader.device_name(nvml, d.handle) for d in nvml_reader.list_devices(nvml, mig=False)]
+            devices = nvml_reader.list_devices(nvml, mig=False)
+            info.gpus = [nvml_reader.device_name(nvml, d.handle) for d in devices]
+            info.capabilities = [nvml_reader.compute_capability(nvml, d.handle) for d in devices]
         except Exception:
             pass
         return info
@@ -65,6 +68,7 @@ class TorchInfo:
     device_count: int
     mps_available: bool
     cuda_error: str | None = None  # the warning/error torch gave when CUDA init failed
+    arch_list: list[str] = field(default_factory=list)  # torch.cuda.get_arch_list(): the GPU code in this build
 
 
 def query_torch() -> TorchInfo:
@@ -84,7 +88,74 @@ def query_torch() -> TorchInfo:
         device_count=torch.cuda.device_count() if available else 0,
         mps_available=mps_available(),
         cuda_error=err,
+        arch_list=torch.cuda.get_arch_list(),  # compiled in: known without a GPU
     )
+
+
+# --- compatibility rules ----------------------------------------------------------------
+
+# Minimum driver branch for each CUDA major release, under which CUDA's minor-version compatibility holds
+# (NVIDIA, "CUDA Compatibility", minor version compatibility table: 11.x >= 450, 12.x >= 525, 13.x >= 580).
+MIN_DRIVER_BRANCH = {11: 450, 12: 525, 13: 580}
+
+
+def driver_runs_build(build: tuple[int, int], driver_cuda: tuple[int, int], driver_version: str | None
+                      ) -> tuple[bool, str]:
+    """Can a driver that supports CUDA `driver_cuda` run code built with CUDA `build`? (ok, why)
+
+    A driver runs everything built for its CUDA version or older (backward compatibility). Since CUDA 11, it
+    also runs code built with a newer *minor* release of its own major release (minor-version compatibility),
+    provided the driver is at least that major release's minimum branch; features that need the newer driver
+    (PTX compiled by the newer toolkit) are then unavailable.
+    """
+    need, have = f"{build[0]}.{build[1]}", f"{driver_cuda[0]}.{driver_cuda[1]}"
+    if driver_cuda >= build:
+        return True, f"the driver supports CUDA {have}, this build uses CUDA {need}"
+    branch = int(driver_version.split(".")[0]) if driver_version and driver_version.split(".")[0].isdigit() else None
+    minimum = MIN_DRIVER_BRANCH.get(build[0])
+    if build[0] >= 11 and driver_cuda[0] == build[0] and minimum is not None and (branch is None or branch >= minimum):
+        return True, (f"the driver supports CUDA {have} and this build uses CUDA {need}: the same major release, "
+                      "so CUDA's minor-version compatibility lets it run (features that need a newer driver, such "
+                      "as PTX from the newer toolkit, are unavailable)")
+    if minimum is not None and branch is not None and branch < minimum:
+        fix = f"update the driver to the {minimum} branch or newer"
+    else:
+        fix = "update the driver"
+    return False, (f"the driver supports CUDA up to {have}, but this torch was built with CUDA {need}: {fix}, or "
+                   f"install a torch build for CUDA {driver_cuda[0]}.x")
+
+
+def _arch(name: str) -> tuple[tuple[int, int], str] | None:
+    """'sm_86' -> ((8, 6), 'sm'); 'compute_90' -> ((9, 0), 'compute'); 'sm_90a' -> ((9, 0), 'sm_a')."""
+    kind, _, rest = name.partition("_")
+    digits = rest.rstrip("af")
+    if kind not in ("sm", "compute") or len(digits) < 2 or not digits.isdigit():
+        return None
+    return (int(digits[:-1]), int(digits[-1])), kind + ("_a" if digits != rest else "")
+
+
+def build_supports_gpu(capability: tuple[int, int], arch_list: list[str]) -> tuple[bool, str]:
+    """Does this build carry code that runs on a GPU of compute `capability`? (ok, why)
+
+    Machine code (sm_XY) runs on GPUs of the same major version and an equal or higher minor one; PTX
+    (compute_XY) is compiled by the driver for any GPU of capability XY or higher (slowly, on first use).
+    Arch-specific variants (sm_90a) run only on exactly that GPU.
+    """
+    cc = f"sm_{capability[0]}{capability[1]}"
+    archs = [a for a in (_arch(n) for n in arch_list) if a is not None]
+    sms = sorted(v for v, kind in archs if kind == "sm")
+    if any((v[0] == capability[0] and v[1] <= capability[1]) if kind == "sm" else v == capability
+           for v, kind in archs if kind in ("sm", "sm_a")):
+        return True, f"yes: this build has machine code for {cc} GPUs ({' '.join(arch_list)})"
+    if any(kind == "compute" and v <= capability for v, kind in archs):
+        return True, f"yes, through PTX: the driver compiles it for {cc} on first use (slow the first time)"
+    listed = " ".join(arch_list) or "none"
+    if sms and capability < sms[0]:
+        return False, (f"no: this GPU ({cc}) is too old for this build, which has code for {listed}. Install an "
+                       "older torch (or one built for an older CUDA) that still supports it")
+    return False, (f"no: this GPU ({cc}) is newer than anything this build has code for ({listed}). Install a "
+                   "newer torch built for a newer CUDA (pytorch.org's selector lists them); until then it fails "
+                   "with 'no kernel image is available for execution on the device'")
 
 
 @dataclass
@@ -135,18 +206,19 @@ def diagnose(torch_info: TorchInfo, nvml: NvmlInfo, env: dict | None = None) -> 
     # 3. Is the driver new enough for the build's CUDA?
     if torch_info.cuda_build and nvml.cuda_driver_version:
         need = tuple(int(p) for p in torch_info.cuda_build.split(".")[:2])
-        have = nvml.cuda_driver_version
-        if have < need:
-            steps.append(Step("Is the driver new enough for this build's CUDA?",
-                              f"no: the driver supports CUDA up to {have[0]}.{have[1]}, but this torch needs "
-                              f"CUDA {need[0]}.{need[1]}. Update the driver, or install a torch build for an "
-                              "older CUDA.", False))
+        ok, why = driver_runs_build(need, nvml.cuda_driver_version, nvml.driver_version)
+        steps.append(Step("Is the driver new enough for this build's CUDA?", ("yes: " if ok else "no: ") + why, ok))
+        if not ok:
             return steps
-        steps.append(Step("Is the driver new enough for this build's CUDA?",
-                          f"yes: the driver supports CUDA {have[0]}.{have[1]}, the build needs "
-                          f"{need[0]}.{need[1]}", True))
-
-    # 4. Is the GPU hidden by CUDA_VISIBLE_DEVICES?
+    # 4. Does the build have code for this GPU?
+    unsupported = gpu_support_problems(torch_info, nvml)
+    if unsupported:
+        steps.append(Step("Does this PyTorch build support this GPU?", unsupported[0], False))
+        return steps
+    if torch_info.arch_list and any(nvml.capabilities):
+        steps.append(Step("Does this PyTorch build support this GPU?",
+                          build_supports_gpu(next(c for c in nvml.capabilities if c), torch_info.arch_list)[1], True))
+    # 5. Is the GPU hidden by CUDA_VISIBLE_DEVICES?
     cvd = env.get("CUDA_VISIBLE_DEVICES")
     if cvd is not None and (cvd.strip() in ("", "-1", "none", "NoDevFiles")):
         steps.append(Step("Is the GPU hidden by CUDA_VISIBLE_DEVICES?",
@@ -162,6 +234,20 @@ def diagnose(torch_info: TorchInfo, nvml: NvmlInfo, env: dict | None = None) -> 
                           + (f" ({torch_info.cuda_error})" if torch_info.cuda_error else "")
                           + ". Restart the kernel; if it persists, reboot (a driver update needs one).", False))
     return steps
+
+
+def gpu_support_problems(torch_info: TorchInfo, nvml: NvmlInfo) -> list[str]:
+    """For each GPU this build has no code for: what is wrong, and the fix (empty when all are supported or
+    nothing is known)."""
+    if not torch_info.arch_list or torch_info.hip_build:
+        return []
+    problems = []
+    for name, cc in zip(nvml.gpus, nvml.capabilities):
+        if cc is not None:
+            ok, why = build_supports_gpu(cc, torch_info.arch_list)
+            if not ok:
+                problems.append(f"{name}: {why}")
+    return problems
 
 
 class EnvironmentReport:
@@ -208,6 +294,8 @@ def describe_environment(torch_info: TorchInfo | None = None, nvml: NvmlInfo | N
             p = torch.cuda.get_device_properties(i)
             lines.append(f"GPU {i}: {p.name}, compute capability {p.major}.{p.minor}, "
                          f"{format_bytes(p.total_memory)} total memory")
+        for problem in gpu_support_problems(t, n):
+            lines.append(f"Warning: CUDA starts, but {problem}.")
         device = torch.device("cuda")
     elif t.mps_available:
         lines.append("GPU: Apple MPS (Metal) is available; memory is shared with the CPU")

@@ -148,3 +148,12 @@ def list_devices(nvml, mig: bool = True) -> list[NvmlDevice]:
 def device_name(nvml, handle) -> str:
     """The product name of a device handle, e.g. 'NVIDIA GeForce RTX 3060'. NVML errors propagate."""
     return text(nvml.nvmlDeviceGetName(handle))
+
+
+def compute_capability(nvml, handle) -> tuple[int, int] | None:
+    """(major, minor) of a device handle, e.g. (8, 6) for an RTX 3060; None if NVML cannot tell."""
+    try:
+        major, minor = nvml.nvmlDeviceGetCudaComputeCapability(handle)
+    except Exception:
+        return None
+    return int(major), int(minor)

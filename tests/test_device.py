@@ -118,12 +118,15 @@ class FakeDriver:
     def nvmlDeviceGetName(self, h):
         return self.names[h]
 
+    def nvmlDeviceGetCudaComputeCapability(self, h):
+        return (8, 0)
+
 
 def test_query_nvml_reads_the_driver_through_one_init_shutdown_pair():
     fake = FakeDriver()
     info = query_nvml(fake)
     assert info == NvmlInfo(True, driver_version="550.54.14", cuda_driver_version=(12, 4),
-                            gpus=["NVIDIA A100-SXM4-40GB"] * 2)
+                            gpus=["NVIDIA A100-SXM4-40GB"] * 2, capabilities=[(8, 0)] * 2)
     assert fake.calls == ["init", "shutdown"]
     import pynvml
 
@@ -144,3 +147,56 @@ def test_device_choice_and_diagnosis_do_not_import_the_monitor():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                             cwd=Path(__file__).resolve().parents[1])
     assert result.returncode == 0, result.stderr
+
+
+# --- compatibility rules, fed with facts recorded from real machines --------------------------------------
+
+# torch.cuda.get_arch_list() of two real builds: torch 2.14.1+cu130 (this course's) and torch 2.5.1+cu124
+ARCH_CU130 = ["sm_75", "sm_80", "sm_86", "sm_90", "sm_100", "sm_120"]
+ARCH_CU124 = ["sm_50", "sm_60", "sm_70", "sm_75", "sm_80", "sm_86", "sm_90"]
+
+
+@pytest.mark.parametrize("build, driver_cuda, driver, ok, words", [
+    ((12, 4), (12, 4), "550.54.14", True, "supports CUDA 12.4"),
+    ((12, 4), (12, 2), "535.183.01", True, "minor-version compatibility"),  # older 12.x driver, newer 12.x build
+    ((12, 8), (13, 0), "580.65.06", True, "supports CUDA 13.0"),             # backward compatibility
+    ((13, 0), (12, 9), "575.57.08", False, "580 branch"),                     # a CUDA 13 build needs the 580 branch
+    ((12, 1), (11, 4), "470.256.02", False, "CUDA 11.x"),
+    ((10, 2), (10, 1), "418.67", False, "update the driver"),                 # before CUDA 11: no minor compatibility
+])
+def test_driver_against_build_uses_cuda_s_compatibility_rules(build, driver_cuda, driver, ok, words):
+    from course_utils.environment import driver_runs_build
+
+    got, why = driver_runs_build(build, driver_cuda, driver)
+    assert got is ok and words in why
+
+
+@pytest.mark.parametrize("capability, archs, ok, words", [
+    ((8, 6), ARCH_CU130, True, "machine code"),          # RTX 3060 Laptop (the seed article's GPU)
+    ((8, 9), ARCH_CU130, True, "machine code"),          # RTX 4090: sm_86 code runs on 8.9
+    ((12, 1), ARCH_CU130, True, "machine code"),         # same major as sm_120
+    ((7, 0), ARCH_CU130, False, "too old"),               # V100 on a CUDA 13 build
+    ((6, 1), ARCH_CU130, False, "too old"),               # GTX 1080
+    ((10, 0), ARCH_CU124, False, "newer than anything"),  # B200 on a CUDA 12.4 build
+    ((10, 0), ARCH_CU124 + ["compute_90"], True, "PTX"),   # a build that ships PTX: JIT-compiled
+    ((9, 0), ["sm_90a"], True, "machine code"),
+    ((10, 0), ["sm_90a"], False, "newer"),                 # arch-specific code runs only on that GPU
+])
+def test_build_against_gpu(capability, archs, ok, words):
+    from course_utils.environment import build_supports_gpu
+
+    got, why = build_supports_gpu(capability, archs)
+    assert got is ok and words in why
+
+
+def test_a_gpu_too_old_for_the_build_is_the_diagnosis():
+    import dataclasses
+
+    t = dataclasses.replace(torch_info(cuda_build="13.0"), arch_list=ARCH_CU130)
+    v100 = NvmlInfo(True, driver_version="580.65.06", cuda_driver_version=(13, 0), gpus=["Tesla V100-SXM2-16GB"],
+                    capabilities=[(7, 0)])
+    steps = diagnose(t, v100, env={})
+    assert steps[-1].question == "Does this PyTorch build support this GPU?" and not steps[-1].ok
+    assert "Tesla V100" in steps[-1].finding and "too old" in steps[-1].finding
+    fine = dataclasses.replace(v100, gpus=["NVIDIA H100"], capabilities=[(9, 0)])
+    assert all(s.ok for s in diagnose(t, fine, env={})[:4])
