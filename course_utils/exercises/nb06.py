@@ -4,7 +4,8 @@
 float32; 06.2 the share of gradient values that flush to zero in float16, scale first; 06.3 an fp16 training
 step with a GradScaler, checked step by step against a reference (including an overflow that must be
 skipped); 06.4 a context manager that sets the float32 matmul precision (TF32) and restores the previous
-setting; 06.5 the peak memory to expect under autocast (claim 7).
+setting; 06.5 the smallest batch size from which autocast lowers the peak memory (claim 7), found with
+the estimator and checked against a SimulatedGPU measurement.
 
 Checkers build their models under `torch.random.fork_rng(devices=[])` with a fixed seed, run on the CPU
 only, and restore any global setting they touch, so a check leaves the notebook's state as it was.
@@ -22,7 +23,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..amp import OpDtypes, underflow_fraction
-from ..memory import MemoryBreakdown
 from .core import AnswerTimeout, Exercise, Incorrect, Mistake, NotAttempted, call, describe, register
 
 _LOW = (torch.bfloat16, torch.float16)
@@ -522,68 +522,197 @@ register(Exercise(
 ))
 
 
-# --- 06.5 what autocast does to peak memory --------------------------------------------------------
+# --- 06.5 from which batch size does autocast save memory? ----------------------------------------
 
-def _reference_estimate(fp32: MemoryBreakdown, activation_ratio: float) -> float:
-    return (fp32.parameters + fp32.gradients + fp32.optimizer_state + fp32.activations * activation_ratio
-            + fp32.parameters / 2)
+_PEAK_BUDGET = 120  # peak() calls allowed: a bisection needs about 2 x log2(max_batch) = 24
 
 
-def _check_amp_memory(amp_memory):
-    _require_function(amp_memory, "amp_memory")
-    mib = 2 ** 20
-    cases = [  # (breakdown in float32, activation ratio): activation-heavy, parameter-heavy, in between
-        (MemoryBreakdown(parameters=2 * mib, gradients=2 * mib, optimizer_state=4 * mib, activations=100 * mib), 0.6),
-        (MemoryBreakdown(parameters=64 * mib, gradients=64 * mib, optimizer_state=128 * mib, activations=3 * mib),
-         0.5),
-        (MemoryBreakdown(parameters=10 * mib, gradients=10 * mib, optimizer_state=0, activations=40 * mib), 0.55),
+class _Peaks:
+    """peak(batch, amp=False): the predicted peak bytes of one training step, counted per call."""
+
+    def __init__(self, fp32: Callable[[int], int], amp: Callable[[int], int]):
+        self.fp32, self.amp = fp32, amp
+        self.calls = 0
+        self.cache: dict[tuple[int, bool], int] = {}
+
+    def __call__(self, batch, amp=False):
+        if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
+            raise ValueError(f"peak() takes a batch size (an int >= 1), got {batch!r}")
+        self.calls += 1
+        if self.calls > _PEAK_BUDGET:
+            raise _TooManyPeaks()
+        key = (batch, bool(amp))
+        if key not in self.cache:
+            self.cache[key] = int((self.amp if amp else self.fp32)(batch))
+        return self.cache[key]
+
+    def saves(self, batch: int) -> bool:
+        return self.amp(batch) < self.fp32(batch)
+
+
+class _TooManyPeaks(Exception):
+    pass
+
+
+def _wide_mlp() -> tuple[nn.Module, torch.optim.Optimizer]:
+    """The notebook's parameter-heavy model: three 1024-wide linear layers, plain SGD."""
+    with _seeded(0):
+        net = nn.Sequential(nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 10))
+    return net, torch.optim.SGD(net.parameters(), lr=0.01)
+
+
+def _estimated(net, opt, amp: bool) -> Callable[[int], int]:
+    from ..memory import estimate_training_memory
+
+    def peak(batch: int) -> int:
+        example = (torch.zeros(batch, 1024), torch.zeros(batch, dtype=torch.long))
+        return estimate_training_memory(net, opt, example, F.cross_entropy,
+                                        autocast_dtype=torch.bfloat16 if amp else None).total
+    return peak
+
+
+def _measured_peaks(net, opt, batch: int) -> tuple[int, int]:
+    """(float32, bfloat16 autocast) peak of one SGD step at `batch`, measured on a SimulatedGPU."""
+    from ..memory import SimulatedGPU
+
+    peaks = []
+    for amp in (False, True):
+        with _seeded(1):
+            x, y = torch.randn(batch, 1024), torch.randint(0, 10, (batch,))
+        model, optimizer = copy.deepcopy((net, opt))
+        with SimulatedGPU("64GiB", model=model, optimizer=optimizer) as gpu:
+            gpu.track(x, y)
+            optimizer.zero_grad(set_to_none=True)
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
+                loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            optimizer.step()
+            peaks.append(gpu.max_memory_allocated())
+    return peaks[0], peaks[1]
+
+
+def _first_saving(peaks: _Peaks, max_batch: int) -> int | None:
+    lo, hi = 1, max_batch
+    if not peaks.saves(hi):
+        return None
+    while lo < hi:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if peaks.saves(mid) else (mid + 1, hi)
+    return lo
+
+
+def _check_break_even(amp_break_even):
+    from ..memory import format_bytes
+
+    _require_function(amp_break_even, "amp_break_even")
+    net, opt = _wide_mlp()
+    scenarios = [
+        # (what, fp32 peak, autocast peak, max_batch): the optimizer step sets both peaks for small batches,
+        # then autocast's weight copies cost more, then its smaller activations win from batch 201
+        ("a model where autocast first costs memory, then saves it", lambda b: 1024 * max(5000, 1000 + 30 * b),
+         lambda b: 1024 * max(5000, 3005 + 20 * b), 4096),
+        ("a model whose optimizer step sets both peaks until float32's activations outgrow it",
+         lambda b: 1024 * max(5000, 1000 + 30 * b), lambda b: 1024 * max(5000, 500 + 20 * b), 4096),
+        ("a model where autocast never saves memory", lambda b: 1024 * (4000 + 10 * b),
+         lambda b: 1024 * (6000 + 10 * b), 4096),
+        ("the wide MLP above (estimate_training_memory)", _estimated(net, opt, False), _estimated(net, opt, True),
+         4096),
     ]
-    for fp32, ratio in cases:
-        expected = _reference_estimate(fp32, ratio)
-        label = (f"amp_memory(<parameters {fp32.parameters // mib}, gradients {fp32.gradients // mib}, optimizer "
-                 f"state {fp32.optimizer_state // mib}, activations {fp32.activations // mib} MiB>, {ratio})")
-        got = _as_number(call(amp_memory, copy.deepcopy(fp32), ratio, name="amp_memory"), label)
-        if abs(got - expected) <= 1:
+    for what, fp32, amp, max_batch in scenarios:
+        peaks = _Peaks(fp32, amp)
+        try:
+            got = call(amp_break_even, peaks, max_batch, name="amp_break_even", check_mutation=False)
+        except Incorrect:
+            if peaks.calls <= _PEAK_BUDGET:
+                raise
+            raise Incorrect(f"for {what}, amp_break_even asked for more than {_PEAK_BUDGET} peaks: likely mistake: "
+                            "trying every batch size in turn; each peak is a training step run on fake tensors. "
+                            "The answer splits the sizes in two (smaller: no saving, larger: saving): bisect") from None
+        expected = _first_saving(_Peaks(fp32, amp), max_batch)
+        if got == expected:
             continue
-        shown = f"{label} = {got / mib:.2f} MiB, expected {expected / mib:.2f} MiB"
-        close = lambda v: abs(got - v) <= 1  # noqa: E731
-        if close(fp32.total * ratio) or close(fp32.total * 0.5):
-            raise Incorrect(f"{shown}: likely mistake: everything was shrunk; parameters, gradients and optimizer "
-                            "state stay float32 under autocast, only activations shrink")
-        if close(expected - fp32.parameters / 2):
-            raise Incorrect(f"{shown}: likely mistake: forgot the 16-bit copies of the weights that autocast makes "
-                            "(and keeps for the backward pass): half the parameters' bytes")
-        if close(expected - fp32.parameters) or close(expected - fp32.parameters / 2 - fp32.parameters / 2):
-            raise Incorrect(f"{shown}: likely mistake: the float32 parameters do not shrink; autocast makes a "
-                            "16-bit copy next to them, it does not convert them")
-        if close(expected - fp32.activations * ratio + fp32.activations * 0.5):
-            raise Incorrect(f"{shown}: likely mistake: the activations were halved; use activation_ratio")
-        raise Incorrect(shown)
-    big = _reference_estimate(cases[1][0], cases[1][1]) / cases[1][0].total
-    return f"for a parameter-heavy step autocast even adds memory ({big:.2f}x of float32)"
+        if got is not None and (isinstance(got, bool) or not isinstance(got, int)):
+            raise Incorrect(f"amp_break_even should return a batch size (an int) or None, got {describe(got)}")
+        shown = f"for {what}, amp_break_even returned {got!r}, expected {expected!r}"
+        if expected is None:
+            raise Incorrect(f"{shown}: at batch {got} autocast's peak is {format_bytes(amp(got))}, float32's "
+                            f"{format_bytes(fp32(got))}: no batch up to max_batch saves memory, return None")
+        if got is None:
+            raise Incorrect(f"{shown}: from batch {expected}, autocast's peak ({format_bytes(amp(expected))}) is "
+                            f"below float32's ({format_bytes(fp32(expected))}): likely mistake: waiting for a large "
+                            "saving ('nearly halves'); any saving counts")
+        if not 1 <= got <= max_batch:
+            raise Incorrect(f"{shown}: batch sizes run from 1 to max_batch = {max_batch}")
+        if amp(got) == fp32(got):
+            raise Incorrect(f"{shown}: at batch {got} both peaks are {format_bytes(fp32(got))}: likely mistake: "
+                            "<= instead of <; equal peaks are no saving")
+        if amp(got) > fp32(got):
+            raise Incorrect(f"{shown}: at batch {got} autocast's peak is still {format_bytes(amp(got) - fp32(got))} "
+                            "above float32's: likely mistake: the search stops one step early (off by one)")
+        raise Incorrect(f"{shown}: autocast already saves at batch {expected}: likely mistake: doubling the batch "
+                        "overshoots; search between the last size without a saving and the first with one")
+    b = expected
+    measured = {n: _measured_peaks(net, opt, n) for n in (b - 1, b)}
+    agree = (measured[b - 1][1] >= measured[b - 1][0]) and (measured[b][1] < measured[b][0])
+
+    def diff(n):
+        fp32_peak, amp_peak = measured[n]
+        sign = "+" if amp_peak >= fp32_peak else "-"
+        return f"batch {n}: bf16 {sign}{format_bytes(abs(amp_peak - fp32_peak))} against float32"
+    return (f"the wide MLP saves from batch {b}; measured on a SimulatedGPU, {diff(b - 1)}, {diff(b)}"
+            + ("" if agree else " (the measurement and the estimate disagree here: the estimator is off at this size)"))
 
 
-_MEM_SIG = ("def amp_memory(fp32, activation_ratio):\n"
-            "    \"\"\"Predicted peak bytes under autocast, from the float32 MemoryBreakdown of the same step.\"\"\"\n")
+_BE_DOC = ("def amp_break_even(peak, max_batch=4096):\n"
+           "    \"\"\"The smallest batch size (1 to max_batch) at which autocast's peak, peak(batch, amp=True), is\n"
+           "    below float32's, peak(batch); None if there is none.\"\"\"\n")
+_BE_SOLUTION = _BE_DOC + (
+    "    def saves(batch):\n"
+    "        return peak(batch, amp=True) < peak(batch)\n"
+    "\n"
+    "    if not saves(max_batch):\n"
+    "        return None\n"
+    "    lo, hi = 1, max_batch  # the answer is in [lo, hi]: saves(hi) holds\n"
+    "    while lo < hi:\n"
+    "        mid = (lo + hi) // 2\n"
+    "        if saves(mid):\n"
+    "            hi = mid\n"
+    "        else:\n"
+    "            lo = mid + 1\n"
+    "    return lo\n")
+
+
+def _be_variant(old: str, new: str) -> str:
+    assert old in _BE_SOLUTION
+    return _BE_SOLUTION.replace(old, new)
+
 
 register(Exercise(
-    id="06.5", title="What autocast does to peak memory", answer="amp_memory",
-    blank=_MEM_SIG + "    raise NotImplementedError  # your code here\n",
-    solution=(_MEM_SIG
-              + "    unchanged = fp32.parameters + fp32.gradients + fp32.optimizer_state  # all stay float32\n"
-                "    activations = fp32.activations * activation_ratio\n"
-                "    weight_copies = fp32.parameters / 2  # 16-bit copies of the weights, kept for backward\n"
-                "    return unchanged + activations + weight_copies\n"),
-    setup="from course_utils.memory import MemoryBreakdown\n",
-    checker=_check_amp_memory,
-    hints=["A MemoryBreakdown has .parameters, .gradients, .optimizer_state, .activations (bytes) and .total.",
-           "Parameters, gradients and optimizer state stay float32; activations shrink by activation_ratio; "
-           "autocast adds a 16-bit copy of every weight: half the parameters' bytes."],
+    id="06.5", title="From which batch size does autocast save memory?", answer="amp_break_even",
+    blank=_BE_DOC + "    raise NotImplementedError  # your code here\n",
+    solution=_BE_SOLUTION,
+    setup="",
+    checker=_check_break_even,
+    timeout=30.0,
+    hints=["Autocast's 16-bit weight copies cost a fixed amount; its smaller activations save an amount that grows "
+           "with the batch. So there is a batch size below which it never saves and from which it always does.",
+           "Each peak() call runs a training step on fake tensors: bisect between 1 and max_batch (about 24 calls), "
+           "after checking that max_batch saves at all.",
+           "Equal peaks are no saving: test peak(b, amp=True) < peak(b)."],
     mistakes=[
-        Mistake(_MEM_SIG + "    return fp32.total * activation_ratio\n", "everything was shrunk"),
-        Mistake(_MEM_SIG + "    return (fp32.parameters + fp32.gradients + fp32.optimizer_state\n"
-                "            + fp32.activations * activation_ratio)\n", "16-bit copies"),
-        Mistake(_MEM_SIG + "    return (fp32.parameters / 2 + fp32.gradients + fp32.optimizer_state\n"
-                "            + fp32.activations * activation_ratio)\n", "do not shrink"),
+        Mistake(_BE_DOC + "    for batch in range(1, max_batch + 1):\n"
+                "        if peak(batch, amp=True) < peak(batch):\n            return batch\n    return None\n",
+                "bisect"),
+        Mistake(_be_variant("peak(batch, amp=True) < peak(batch)", "peak(batch, amp=True) <= peak(batch)"),
+                "<= instead of <"),
+        Mistake(_be_variant("peak(batch, amp=True) < peak(batch)", "peak(batch, amp=True) < 0.55 * peak(batch)"),
+                "any saving counts"),
+        Mistake(_be_variant("    if not saves(max_batch):\n        return None\n", ""), "return None"),
+        Mistake(_be_variant("            lo = mid + 1\n", "            lo = mid\n").replace(
+            "    while lo < hi:\n", "    while hi - lo > 1:\n").replace("    return lo\n", "    return lo\n"),
+                "off by one"),
+        Mistake(_BE_DOC + "    batch = 1\n    while batch <= max_batch:\n"
+                "        if peak(batch, amp=True) < peak(batch):\n            return batch\n"
+                "        batch *= 2\n    return None\n", "doubling the batch overshoots"),
     ],
 ))
