@@ -2,7 +2,8 @@
 
 04.1 time an asynchronous device correctly (warm-up, synchronize, median), checked against a simulated
 GPU whose work only happens when you synchronize; 04.2 an epoch's mean loss with one CPU-GPU sync,
-counted on the loss tensors; 04.3 channels_last for a model and its input.
+counted on every host read of the loss tensors; 04.3 a fair speed-up on a simulated machine whose load changes
+(alternation, warm-up, median of paired ratios).
 """
 from __future__ import annotations
 
@@ -11,7 +12,6 @@ import statistics
 import time
 
 import torch
-from torch import nn
 
 from ._sync import HostReads, on_device
 from .core import Exercise, Incorrect, Mistake, call, describe, register
@@ -275,59 +275,123 @@ register(Exercise(
 ))
 
 
-# --- 04.3 channels_last -----------------------------------------------------------------------
+# --- 04.3 a fair speed-up under changing load -------------------------------------------------------
 
-def _check_channels_last(to_channels_last):
-    gen = torch.Generator().manual_seed(4)
-    model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(), nn.Conv2d(4, 2, 3, padding=1))
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(torch.randn(p.shape, generator=gen))
-    x = torch.randn(2, 3, 6, 6, generator=gen)
-    with torch.no_grad():
-        expected = model(x)
-    x_before = x.clone()
-    out = call(to_channels_last, model, x, name="to_channels_last", check_mutation=False)
-    if not isinstance(out, tuple) or len(out) != 2:
-        raise Incorrect(f"to_channels_last should return a pair (model, x), got {describe(out)}")
-    new_model, new_x = out
-    if not isinstance(new_model, nn.Module) or not isinstance(new_x, torch.Tensor):
-        raise Incorrect(f"expected (a module, a tensor), got ({describe(new_model)}, {describe(new_x)})")
-    if not torch.equal(x, x_before):
-        raise Incorrect("the caller's x was changed in place; return a converted copy")
-    if new_x.shape != x.shape:
-        raise Incorrect(f"the input's shape changed from {tuple(x.shape)} to {tuple(new_x.shape)}: likely mistake: "
-                        "permute() moves the dimensions; channels_last keeps the NCHW shape and changes only the "
-                        "strides (the order in memory)")
-    weight = new_model[0].weight
-    if not weight.is_contiguous(memory_format=torch.channels_last):
-        raise Incorrect("the model's convolution weights are still in the default layout: convert the model too, "
-                        "model.to(memory_format=torch.channels_last)")
-    if not new_x.is_contiguous(memory_format=torch.channels_last):
-        raise Incorrect("the input x is still in the default (NCHW) layout: convert it too, "
-                        "x.contiguous(memory_format=torch.channels_last)")
-    with torch.no_grad():
-        got = new_model(new_x)
-    if not torch.allclose(got, expected, atol=1e-5):
-        raise Incorrect("the converted model computes different outputs: convert the layout, not the values")
-    return f"same shape {tuple(new_x.shape)}, strides {new_x.stride()} instead of {x.stride()}, same outputs"
+class _Machine:
+    """A simulated machine whose load grows while you measure: the n-th call costs its work times
+    (1 + 0.05 n). `clock()` reads its time in seconds. Each function's first call pays a one-time cost,
+    and one call of `candidate` (the 3rd) is hit by a page fault."""
+
+    def __init__(self, baseline_s: float = 0.010, candidate_s: float = 0.004):
+        self.now = 0.0
+        self.calls: list[str] = []           # "b" or "c", in order
+        self.durations: list[float] = []     # simulated seconds of each call
+        self.cost = {"b": baseline_s, "c": candidate_s}
+        self.clock_reads = 0
+        self.true_speedup = baseline_s / candidate_s
+
+    def clock(self) -> float:
+        self.clock_reads += 1
+        return self.now
+
+    def run(self, which: str) -> None:
+        load = 1 + 0.05 * len(self.calls)
+        seconds = self.cost[which] * load
+        if which not in self.calls:
+            seconds += 0.050  # first call: one-time costs (allocations, kernel selection, compilation)
+        if which == "c" and self.calls.count("c") == 3:
+            seconds *= 10  # a page fault, another process: one slow call
+        self.calls.append(which)
+        self.durations.append(seconds)
+        self.now += seconds
 
 
-_CL_DOC = ("def to_channels_last(model, x):\n"
-           "    \"\"\"Return (model, x) both in the channels_last memory format.\"\"\"\n")
+def _check_speedup(speedup):
+    if isinstance(speedup, type) or not callable(speedup):
+        raise Incorrect(f"speedup should be a function, got {describe(speedup)}")
+    rounds = 5
+    machine = _Machine()
+    result = call(speedup, lambda: machine.run("b"), lambda: machine.run("c"), machine.clock, rounds,
+                  name="speedup", check_mutation=False)
+    value = _as_number(result, "speedup", "a number (how many times faster candidate is)")
+    if machine.clock_reads == 0:
+        raise Incorrect("clock() was never read: likely mistake: timing with time.perf_counter(); this machine is "
+                        "simulated, so time it with the clock you are given")
+    n_b, n_c = machine.calls.count("b"), machine.calls.count("c")
+    if (n_b, n_c) == (rounds, rounds):
+        raise Incorrect(f"each function was called {rounds} times, not rounds + 1 = {rounds + 1}: likely mistake: "
+                        "the warm-up call is missing; the first call of each pays one-time costs and must not be "
+                        "timed")
+    if (n_b, n_c) != (rounds + 1, rounds + 1):
+        raise Incorrect(f"baseline was called {n_b} times and candidate {n_c}; expected rounds + 1 = {rounds + 1} "
+                        "each (one warm-up, then one per round)")
+    true = machine.true_speedup
+    if abs(value / true - 1) < 0.06:
+        return (f"{value:.2f}x (the true speed-up is {true:.2f}x): alternating keeps both under the same load, "
+                "and the median of the rounds ignores the slow call")
+    if abs(value * true - 1) < 0.2:
+        raise Incorrect(f"speedup returned {value:.2f}, below 1: likely mistake: the ratio is inverted; the "
+                        "speed-up is baseline's time / candidate's time")
+    timed = machine.calls[2:] if machine.calls[:2] in (["b", "c"], ["c", "b"]) else machine.calls
+    if timed in (["b"] * rounds + ["c"] * rounds, ["c"] * rounds + ["b"] * rounds):
+        raise Incorrect(f"speedup returned {value:.2f}x, the true speed-up is {true:.2f}x: likely mistake: all "
+                        "calls of one function, then all of the other; the load changed in between, so they were "
+                        "measured on different machines. Alternate: one call of each per round")
+    raise Incorrect(f"speedup returned {value:.2f}x; the true speed-up is {true:.2f}x: likely mistake: one slow "
+                    "call (a page fault) dragged a sum or a mean, or each function's times were summarised "
+                    "separately although the load differed between them. Take the ratio within each round "
+                    "(the two calls ran under the same load) and return the median of those ratios")
+
+
+_SPEEDUP_DOC = ("def speedup(baseline, candidate, clock, rounds=5):\n"
+                "    \"\"\"How many times faster candidate() runs than baseline(), measured fairly while the machine's\n"
+                "    load changes: one untimed call of each, then `rounds` timed calls of each; clock() reads seconds.\"\"\"\n")
+_SPEEDUP_HEAD = _SPEEDUP_DOC + "    baseline()\n    candidate()  # warm-up: first calls pay one-time costs\n"
+
+
+def _timed(fn: str) -> str:
+    return f"        start = clock()\n        {fn}()\n        t_{fn[0]} = clock() - start\n"
+
 
 register(Exercise(
-    id="04.3", title="channels_last, for the model and its input", answer="to_channels_last",
-    blank=_CL_DOC + "    raise NotImplementedError  # your code here\n",
-    solution=_CL_DOC + "    return model.to(memory_format=torch.channels_last), x.contiguous(memory_format=torch.channels_last)\n",
-    setup="import torch\n",
-    checker=_check_channels_last,
-    hints=["Module.to accepts memory_format=...; a tensor is converted with .contiguous(memory_format=...).",
-           "Both the weights and the input must be in the new layout, or PyTorch converts back and forth."],
+    id="04.3", title="A fair speed-up under changing load", answer="speedup",
+    blank=_SPEEDUP_DOC + "    raise NotImplementedError  # your code here\n",
+    solution=_SPEEDUP_HEAD + (
+        "    ratios = []\n"
+        "    for _ in range(rounds):  # in alternation: a change of load hits both alike\n"
+        + _timed("baseline") + _timed("candidate") +
+        "        ratios.append(t_b / t_c)\n"
+        "    return statistics.median(ratios)\n"),
+    setup="import statistics\nimport time\n",
+    checker=_check_speedup,
+    hints=["Time each call with two readings of clock(). Alternate: baseline, candidate, baseline, candidate, ... "
+           "so that whatever else the machine is doing weighs on both alike.",
+           "Within a round the two calls ran under the same load: their ratio is fair. Across rounds the load "
+           "moves and one call may be slow: take the median of the rounds' ratios."],
     mistakes=[
-        Mistake(_CL_DOC + "    return model.to(memory_format=torch.channels_last), x\n", "input x is still"),
-        Mistake(_CL_DOC + "    return model, x.contiguous(memory_format=torch.channels_last)\n", "weights"),
-        Mistake(_CL_DOC + "    return model.to(memory_format=torch.channels_last), x.permute(0, 2, 3, 1)\n",
-                "strides"),
+        Mistake(_SPEEDUP_HEAD + (
+            "    t_b, t_c = [], []\n"
+            "    for _ in range(rounds):\n        start = clock()\n        baseline()\n"
+            "        t_b.append(clock() - start)\n"
+            "    for _ in range(rounds):\n        start = clock()\n        candidate()\n"
+            "        t_c.append(clock() - start)\n"
+            "    return statistics.median(t_b) / statistics.median(t_c)\n"), "Alternate"),
+        Mistake(_SPEEDUP_DOC + (
+            "    ratios = []\n    for _ in range(rounds):\n" + _timed("baseline") + _timed("candidate")
+            + "        ratios.append(t_b / t_c)\n    return statistics.median(ratios)\n"), "warm-up call is missing"),
+        Mistake(_SPEEDUP_HEAD + (
+            "    total_b = total_c = 0.0\n    for _ in range(rounds):\n" + _timed("baseline") + _timed("candidate")
+            + "        total_b += t_b\n        total_c += t_c\n    return total_b / total_c\n"), "one slow"),
+        Mistake(_SPEEDUP_HEAD + (
+            "    ratios = []\n    for _ in range(rounds):\n" + _timed("baseline") + _timed("candidate")
+            + "        ratios.append(t_b / t_c)\n    return sum(ratios) / len(ratios)\n"), "median of those ratios"),
+        Mistake(_SPEEDUP_HEAD + (
+            "    ratios = []\n    for _ in range(rounds):\n" + _timed("baseline") + _timed("candidate")
+            + "        ratios.append(t_c / t_b)\n    return statistics.median(ratios)\n"), "inverted"),
+        Mistake(_SPEEDUP_HEAD + (
+            "    ratios = []\n    for _ in range(rounds):\n"
+            "        start = time.perf_counter()\n        baseline()\n        t_b = time.perf_counter() - start\n"
+            "        start = time.perf_counter()\n        candidate()\n        t_c = time.perf_counter() - start\n"
+            "        ratios.append(t_b / t_c)\n    return statistics.median(ratios)\n"), "time.perf_counter()"),
     ],
 ))
