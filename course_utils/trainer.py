@@ -160,6 +160,7 @@ class Trainer:
         self.stop_reason: str | None = None
         self.epochs_this_call = 0
         self._memory_checked = False  # the memory check runs once, before this trainer's first step
+        self.memory_check = None      # its result: a course_utils.memory.FitCheck, or None where nothing is known
 
     # --- callbacks ---------------------------------------------------------------------------
 
@@ -266,16 +267,16 @@ class Trainer:
                 self._emit(batch_end, loss)
 
     def _check_memory(self, batch) -> None:
-        """Before the first step: warn, with the numbers, if the estimator predicts the step will not fit."""
+        """Before the first step: predict whether it fits (kept in `self.memory_check`) and warn, with the numbers,
+        if it will not. With oom_recovery=True running out is the plan, not a surprise: no warning then."""
         self._memory_checked = True
         low = self.precision.dtype if self.precision.enabled else None
-        check = check_fits(self.model, self.optimizer, batch, self.loss_fn, self.device, autocast_dtype=low)
-        if self.step is not self.train_step:
-            remedy = "oom_recovery=True will split the batch when it happens, at some cost in speed."
-        else:
-            remedy = ("use a smaller batch_size (with accumulate=k for the same update), mixed_precision=True, "
-                      "activation checkpointing (course_utils.memory.checkpointed), or oom_recovery=True.")
-        warn_if_too_big(check, remedy)
+        self.memory_check = check_fits(self.model, self.optimizer, batch, self.loss_fn, self.device,
+                                       autocast_dtype=low)
+        if self.step is self.train_step:
+            warn_if_too_big(self.memory_check, "use a smaller batch_size (with accumulate=k for the same update), "
+                            "mixed_precision=True, activation checkpointing (course_utils.memory.checkpointed), "
+                            "or oom_recovery=True.")
 
     def __call__(self, epochs: int = 1) -> list[float]:
         if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 0:
