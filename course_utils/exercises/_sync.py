@@ -8,7 +8,8 @@ Checkers hand the learner's code `DeviceTensor`s, tensors that stand for values 
     reads.total, reads.counts   # e.g. 5, Counter({"float()": 4, ".item()": 1})
 
 Counted: `.item()`, `float()`, `int()`, `bool()` (an `if` on a tensor), `.tolist()`, `.numpy()` and NumPy
-conversion, `.cpu()`, `.to("cpu")` (or to a CPU tensor's device), `copy_` into a CPU tensor, `in`, printing
+conversion, `.cpu()`, `.to("cpu")` (a `torch.device` or tensor target is taken for the model's device, where the
+data already is), `copy_` into a CPU tensor, `in`, printing
 and formatting (`print`, `str`, f-strings), and `torch.tensor([...])` of device values (a `float()` each). What
 a read returns is an ordinary tensor or number: reading it again costs nothing, as on a real GPU.
 """
@@ -43,10 +44,10 @@ def _label(func, args, kwargs) -> str | None:
     if func is torch.Tensor.to:
         targets = list(args[1:]) + [kwargs.get("device")]
         for target in targets:
-            if isinstance(target, (str, torch.device)) and _is_host(target):
+            # A torch.device is what device-agnostic code gets from the model (next(model.parameters()).device):
+            # in these checks that is where the data already is. A device named in a string is an explicit move.
+            if isinstance(target, str) and _is_host(target):
                 return ".to('cpu')"
-            if isinstance(target, torch.Tensor) and not isinstance(target, DeviceTensor):
-                return ".to(a CPU tensor)"
         return None
     if func is torch.Tensor.copy_ and len(args) > 1:
         if not isinstance(args[0], DeviceTensor) and isinstance(args[1], DeviceTensor):
