@@ -1,0 +1,275 @@
+"""The class grader (`python -m course_utils.exercises grade`), on hostile submissions.
+
+tests/grader_submissions/ holds one small notebook per case (learner name = file stem, plus `frank/`, a learner
+with a folder of two notebooks): correct, incorrect and not attempted answers to exercises 01.1 and 01.4, and
+each hostile case: an endless loop, a memory bomb, deleting the grader's folders, killing the kernel, printing
+without end, redefining check(), outputs edited to read "[correct]", replacing the course's checkers,
+running the reference solution, and reaching a server on the grader's machine. One grading run of the whole folder (the real command, in a subprocess) is
+shared by the tests that read its report cells; a second run without namespaces checks the audit hook alone;
+a third grades the real solved notebook 01.
+"""
+import csv
+import hashlib
+import html.parser
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import nbformat
+import pytest
+
+from course_utils.exercises import grade as grader
+from course_utils.exercises.__main__ import main as cli
+from course_utils.exercises.solve import solve_notebook
+
+ROOT = Path(__file__).resolve().parents[1]
+SUBMISSIONS = Path(__file__).resolve().parent / "grader_submissions"
+LIMITS = ["--timeout", "6", "--output", "2M", "--file-size", "1M", "--memory", "5G"]
+
+
+def _snapshot(folder: Path) -> dict:
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else "dir"
+            for p in sorted(folder.rglob("*"))}
+
+
+def _prepare(base: Path, shell: bool, port: int = 9) -> tuple[Path, Path]:
+    """A copy of the submissions (plus an unreadable notebook) and a grader working directory, each with a
+    sentinel file; the deleting notebook aims at both, the network one at `port` on this machine."""
+    subs, cwd = base / "submissions", base / "grader_cwd"
+    shutil.copytree(SUBMISSIONS, subs, ignore=shutil.ignore_patterns("conftest.py", "__pycache__"))
+    cwd.mkdir()
+    for folder in (subs, cwd):
+        (folder / "sentinel.txt").write_text("must survive\n")
+    (subs / "broken.ipynb").write_text('{"cells": [ this is not json\n')
+    path = subs / "deletes_files.ipynb"
+    nb = nbformat.read(path, as_version=4)
+    for cell in nb.cells:
+        cell.source = cell.source.replace("TARGETS = []", f"TARGETS = [{str(cwd)!r}, {str(subs)!r}]")
+        cell.source = cell.source.replace("SHELL = True", f"SHELL = {shell}")
+    nbformat.write(nb, path)
+    path = subs / "uses_network.ipynb"
+    nb = nbformat.read(path, as_version=4)
+    for cell in nb.cells:
+        cell.source = cell.source.replace("PORT = 9 ", f"PORT = {port} ")
+    nbformat.write(nb, path)
+    return subs, cwd
+
+
+class _Cells(html.parser.HTMLParser):
+    """{(learner, exercise): status} from the report's table cells."""
+
+    def __init__(self):
+        super().__init__()
+        self.cells = {}
+
+    def handle_starttag(self, tag, attrs):
+        attrs = dict(attrs)
+        if tag == "td" and "data-exercise" in attrs:
+            self.cells[attrs["data-learner"], attrs["data-exercise"]] = attrs["data-status"]
+
+
+@pytest.fixture(scope="module")
+def graded(tmp_path_factory):
+    base = tmp_path_factory.mktemp("grade")
+    listener = socket.create_server(("127.0.0.1", 0))  # what the network notebook tries to reach
+    # Shell commands (rm -rf) escape the audit hook: only try them where the OS makes the file system read-only.
+    subs, cwd = _prepare(base, shell=grader.Sandbox.probe().mounts, port=listener.getsockname()[1])
+    before = {"subs": _snapshot(subs), "cwd": _snapshot(cwd)}
+    try:
+        run = subprocess.run([sys.executable, "-m", "course_utils.exercises", "grade", str(subs), "--report",
+                              str(base / "report.html"), "--csv", str(base / "report.csv"), "--jobs", "2", *LIMITS],
+                             cwd=cwd, capture_output=True, text=True, timeout=300)
+    finally:
+        listener.close()
+    assert run.returncode == 0, run.stdout + run.stderr
+    with open(base / "report.csv", newline="") as f:
+        rows = {(r["learner"], r["exercise"]): r for r in csv.DictReader(f)}
+    page = (base / "report.html").read_text()
+    parser = _Cells()
+    parser.feed(page)
+    return {"run": run, "rows": rows, "html": page, "cells": parser.cells, "before": before, "subs": subs,
+            "cwd": cwd}
+
+
+def _status(graded, learner, ex_id):
+    row = graded["rows"][learner, ex_id]
+    assert graded["cells"][learner, ex_id] == row["status"], "the HTML and the CSV disagree"
+    return row["status"], row["feedback"], row["flags"], row["notebook_status"]
+
+
+def _runs_cell(graded, learner) -> str:
+    """The text of a learner's "notebooks" cell in the HTML report."""
+    start = graded["html"].index(f'<td class="runs" data-learner="{learner}">')
+    return graded["html"][start:graded["html"].index("</td>", start)]
+
+
+def test_every_learner_and_exercise_is_in_the_table(graded):
+    learners = {k[0] for k in graded["rows"]}
+    expected = {p.stem for p in SUBMISSIONS.glob("*.ipynb")} | {"frank", "broken"}
+    assert learners == expected
+    assert {k[1] for k in graded["rows"]} == {"01.1", "01.4"}
+    assert set(graded["cells"]) == set(graded["rows"])
+
+
+def test_correct_incorrect_and_not_attempted(graded):
+    assert _status(graded, "correct", "01.1")[0] == "correct"
+    assert _status(graded, "correct", "01.4")[0] == "correct"
+    status, feedback, _, _ = _status(graded, "incorrect", "01.1")
+    assert status == "incorrect" and "factor is ignored" in feedback
+    status, feedback, _, _ = _status(graded, "incorrect", "01.4")
+    assert status == "incorrect" and "positional arguments to partial fill" in feedback
+    for ex_id in ("01.1", "01.4"):
+        status, feedback, _, _ = _status(graded, "not_attempted", ex_id)
+        assert status == "not attempted" and "then run the cell again" in feedback
+
+
+def test_a_learner_with_a_folder_of_notebooks(graded):
+    assert _status(graded, "frank", "01.1")[0] == "correct"
+    status, feedback, _, _ = _status(graded, "frank", "01.4")
+    assert status == "incorrect" and "without calling it" in feedback
+    assert graded["rows"]["frank", "01.4"]["notebook"] == "part2.ipynb"
+
+
+def test_an_endless_loop_hits_the_time_limit_and_the_rest_is_not_run(graded):
+    assert _status(graded, "infinite_loop", "01.1")[0] == "correct"
+    status, feedback, _, notebook = _status(graded, "infinite_loop", "01.4")
+    assert status == "not run" and "time limit of 6 s" in feedback
+    assert notebook.startswith("time limit")
+
+
+def test_a_memory_bomb_gets_a_memory_error_and_the_notebook_goes_on(graded):
+    assert _status(graded, "memory_bomb", "01.1")[0] == "correct"
+    assert "raised MemoryError" in _runs_cell(graded, "memory_bomb")
+
+
+def test_deleting_files_leaves_the_grader_and_the_submissions_untouched(graded):
+    assert _snapshot(graded["subs"]) == graded["before"]["subs"]
+    assert _snapshot(graded["cwd"]) == graded["before"]["cwd"]
+    assert _status(graded, "deletes_files", "01.1")[0] == "correct"
+    assert "changed while it ran" not in graded["html"]
+
+
+def test_a_kernel_that_kills_itself_is_reported_and_the_others_are_graded(graded):
+    assert _status(graded, "kills_kernel", "01.1")[0] == "correct"
+    status, feedback, _, notebook = _status(graded, "kills_kernel", "01.4")
+    assert status == "not run" and "killed" in feedback
+    assert notebook.startswith("kernel died")
+
+
+def test_endless_output_hits_the_output_cap(graded):
+    assert _status(graded, "prints_gigabytes", "01.1")[0] == "correct"
+    status, feedback, _, notebook = _status(graded, "prints_gigabytes", "01.4")
+    assert status == "not run" and "more than 2 MiB of output" in feedback
+    assert notebook.startswith("output cap")
+    assert "File too large" in _runs_cell(graded, "prints_gigabytes")  # os.write to fd 1: RLIMIT_FSIZE
+    assert len(graded["html"]) < 200_000  # none of it reached the report
+
+
+def test_redefining_check_or_editing_outputs_or_the_checkers_changes_nothing(graded):
+    for ex_id in ("01.1", "01.4"):
+        assert _status(graded, "redefines_check", ex_id)[0] == "not attempted"
+    assert "redefines check()" in _runs_cell(graded, "redefines_check")
+    status, feedback, _, _ = _status(graded, "edited_outputs", "01.1")
+    assert status == "incorrect" and "factor is ignored" in feedback
+    status, feedback, _, _ = _status(graded, "patches_checker", "01.1")
+    assert status == "incorrect" and "factor is ignored" in feedback
+    notes = _runs_cell(graded, "patches_checker")
+    assert "replaced the checker of 01.1" in notes and "replaced course_utils.exercises.check or evaluate" in notes
+
+
+def test_using_the_reference_solution_is_flagged(graded):
+    status, _, flags, _ = _status(graded, "uses_solution", "01.1")
+    assert status == "correct"
+    assert "calls solution('01.1') in cell 3" in flags
+    assert "ran the reference solution's text through exec/compile" in flags
+    assert _status(graded, "correct", "01.1")[2] == ""  # a learner's own answer is not flagged
+
+
+def test_the_network_is_out_of_reach_where_the_os_allows_it(graded):
+    # uses_network answers 01.1 correctly only if it could not connect to a port this machine listens on
+    isolated = "net" in grader.Sandbox.probe().namespaces
+    assert _status(graded, "uses_network", "01.1")[0] == ("correct" if isolated else "incorrect")
+
+
+def test_an_unreadable_notebook_is_reported(graded):
+    assert _status(graded, "broken", "01.1")[0] == "not attempted"
+    assert "not a readable notebook" in _runs_cell(graded, "broken")
+
+
+def test_the_summary_counts_the_common_mistakes_and_the_report_lists_the_containment(graded):
+    page = graded["html"]
+    start = page.index('<tr data-exercise="01.1">')
+    row = page[start:page.index("</tr>", start)]
+    # incorrect, edited_outputs, patches_checker: the same listed mistake of 01.1
+    assert "3 \u00d7 known mistake: \u201cfactor is ignored\u201d" in row
+    assert "Time limit: 6 s" in page and "Memory limit: 5 GiB of address space (RLIMIT_AS)" in page
+    sandbox = grader.Sandbox.probe()
+    network = page[page.index("No network") - 60:page.index("No network")]
+    assert ("NOT applied" in network) != ("net" in sandbox.namespaces)
+    assert "correct: 2/2 correct" in graded["run"].stdout
+
+
+def test_without_namespaces_the_audit_hook_still_protects_the_files(tmp_path, monkeypatch):
+    subs, cwd = _prepare(tmp_path, shell=False)
+    for path in subs.iterdir():
+        if path.name not in ("deletes_files.ipynb", "sentinel.txt", "correct.ipynb"):
+            shutil.rmtree(path) if path.is_dir() else path.unlink()
+    before = {"subs": _snapshot(subs), "cwd": _snapshot(cwd)}
+    monkeypatch.chdir(cwd)
+    none = grader.Sandbox([], [], "disabled by the test")
+    monkeypatch.setattr(grader.Sandbox, "probe", classmethod(lambda cls: none))
+    report = grader.grade(subs, grader.Limits(timeout=20, memory=5 * grader.GiB), jobs=2)
+    assert _snapshot(subs) == before["subs"] and _snapshot(cwd) == before["cwd"]
+    assert report.table["deletes_files"]["01.1"].status == "correct"
+    assert report.table["correct"]["01.4"].status == "correct"
+    applied = {what.split(" (")[0]: (ok, detail) for ok, what, detail in report.containment()}
+    assert applied["No network"] == (False, "not isolated: disabled by the test")
+
+
+def test_the_real_solved_notebook_passes(tmp_path):
+    teacher = tmp_path / "subs" / "teacher"
+    teacher.mkdir(parents=True)
+    nbformat.write(solve_notebook(nbformat.read(ROOT / "notebooks" / "01_callables.ipynb", as_version=4)),
+                   teacher / "01_callables.ipynb")
+    report = grader.grade(tmp_path / "subs", grader.Limits(timeout=120))
+    row = report.table["teacher"]
+    assert row and all(o.status == "correct" for o in row.values()), {k: (o.status, o.message) for k, o in row.items()}
+    # The solved notebook is the reference solution: pasting it is flagged where it is long enough to tell.
+    flags = {f for o in row.values() for f in o.flags}
+    assert flags == {"the cell contains the reference solution verbatim"}
+
+
+# --- bad input, and the small pieces ------------------------------------------------------------------------
+
+def test_bad_input_gets_a_clear_message(tmp_path, capsys):
+    assert cli(["grade", str(tmp_path / "nowhere")]) == 2
+    assert "grade: error: " in (err := capsys.readouterr().err) and "no such folder" in err
+    with pytest.raises(grader.GradeError, match="holds no .ipynb files"):
+        grader.find_submissions(tmp_path)
+    (tmp_path / "notes.txt").write_text("x")
+    with pytest.raises(grader.GradeError, match="is a file"):
+        grader.find_submissions(tmp_path / "notes.txt")
+    (tmp_path / "ann.ipynb").write_text("{}")
+    (tmp_path / "ann").mkdir()
+    (tmp_path / "ann" / "01.ipynb").write_text("{}")
+    with pytest.raises(grader.GradeError, match="both a notebook and a folder"):
+        grader.find_submissions(tmp_path)
+    with pytest.raises(SystemExit) as exit:
+        cli(["grade", str(tmp_path), "--memory", "lots"])
+    assert exit.value.code == 2 and "expected a size such as 8G" in capsys.readouterr().err
+    assert cli(["grade", str(tmp_path), "--report", str(tmp_path / "no" / "r.html")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+
+
+def test_sizes_and_solution_calls():
+    assert grader.parse_size("8G") == 8 * 2 ** 30 and grader.parse_size("512MiB") == 512 * 2 ** 20
+    assert grader.parse_size("1.5k") == 1536 and grader.parse_size("100") == 100
+    with pytest.raises(ValueError):
+        grader.parse_size("-1G")
+    assert grader._solution_calls('solution("01.1")\nx.solution(k)\n# solution("02.1")') == ["01.1", "?"]
+    assert grader._solution_calls('%time solution("01.2")') == ["01.2"]  # not Python: read as text
+    # The answer is the name the cell hands to check(), as the learner's own check saw it.
+    assert grader._answer_name('class MyScale: ...\ncheck("01.1", MyScale)\n', "01.1", "Scale") == "MyScale"
+    assert grader._answer_name('check("01.2", RunningMean)', "01.1", "Scale") == "Scale"
