@@ -201,3 +201,102 @@ def test_monitor_updates_in_a_real_jupyterlab_while_a_cell_runs(lab):
             page.screenshot(path=str(ARTIFACTS / "monitor_notebook.png"), full_page=True)
         finally:
             browser.close()
+
+
+SLIDES_NOTEBOOK = ROOT / "notebooks" / "01_callables.ipynb"
+
+
+def _screens_in_order(types: list) -> list:
+    """The reveal.js locations (section id, fragment index or None) that Space steps through, in order, for the
+    given slide types: what RISE builds from the metadata."""
+    steps, x, y = [], -1, 0
+    for kind in types:
+        if kind in ("skip", "notes"):
+            continue
+        if x < 0 or kind == "slide":
+            x, y = x + 1, 0
+            steps.append((f"slide-{x}-{y}", None))
+        elif kind == "subslide":
+            y += 1
+            steps.append((f"slide-{x}-{y}", None))
+        elif kind == "fragment":
+            section, fragment = steps[-1]
+            steps.append((section, 0 if fragment is None else fragment + 1))
+    return steps
+
+
+def test_notebook_shows_as_rise_slides(lab, tmp_path):
+    """A course notebook, given its slide metadata by `python -m course_utils.slides`, as a RISE slideshow: the
+    /rise/<path> page that RISE's toolbar button (Alt+R) shows in JupyterLab, here at 1280x720. Space steps through
+    exactly the slides, subslides and fragments the metadata makes, and no screen of several cells is taller than
+    the window. Then Alt+R in JupyterLab opens the same slideshow beside the notebook."""
+    pytest.importorskip("jupyterlab_rise", reason="jupyterlab-rise (requirements.txt) is not installed")
+    from playwright.sync_api import expect, sync_playwright
+
+    from course_utils import slides
+
+    base, token = lab
+    notebook = tmp_path / "notebooks" / SLIDES_NOTEBOOK.name
+    shutil.copy(SLIDES_NOTEBOOK, notebook)
+    slides.rewrite(notebook)  # the committed notebook may not have its metadata yet: the command gives it
+    cells = json.loads(notebook.read_text())["cells"]
+    types = [slides.current_type(c) for c in cells]
+    expected = _screens_in_order(types)
+    screens = slides.slides(cells)
+    assert len({s for s, _ in expected}) == len(screens) > 10
+    ARTIFACTS.mkdir(exist_ok=True)
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
+        try:
+            width, height = slides.SCREEN
+            page = browser.new_page(viewport={"width": width, "height": height})
+            page.set_default_timeout(60_000)
+            page.goto(f"{base}/rise/{notebook.name}?token={token}")
+            present = page.locator(".reveal .slides section.present[id^='slide-']")
+            expect(present.first).to_be_visible(timeout=90_000)  # reveal.js has laid the slides out
+            expect(present.last).to_have_id("slide-0-0")
+            expect(present.last.locator("h1")).to_contain_text("Callable objects")
+            # reveal's structure is the metadata's: one top-level section per "slide", one inner per screen
+            assert page.locator(".reveal .slides > section").count() == types.count("slide")
+            assert page.locator(".reveal .slides section[id^='slide-']").count() == len(screens)
+            page.wait_for_timeout(1000)  # images decoded, the slide centred
+            page.screenshot(path=str(ARTIFACTS / "rise_slides.png"))
+
+            measured, shot_fragment = {}, False
+            for i, (section, fragment) in enumerate(expected):
+                if i:
+                    before = page.evaluate("location.hash")
+                    page.keyboard.press("Space")  # next: slide, subslide or fragment, as a presenter steps
+                    page.wait_for_function("h => location.hash !== h", arg=before, timeout=15_000)
+                want = f"#/{section}" + ("" if fragment is None else f"/{fragment}")
+                got = page.evaluate("location.hash")
+                assert got == want, f"step {i}: reveal.js is at {got}, the metadata says {want}"
+                if fragment is None:
+                    measured[section] = page.evaluate("""id => { const cells = [...document.getElementById(id)
+                        .querySelectorAll('.jp-Cell')].map(c => c.getBoundingClientRect());
+                        return [cells.length, Math.max(...cells.map(r => r.bottom)) - Math.min(...cells.map(r => r.top))]; }""",
+                                                      section)
+                elif not shot_fragment:  # the first answer shown after its question
+                    page.wait_for_timeout(800)
+                    page.screenshot(path=str(ARTIFACTS / "rise_slides_fragment.png"))
+                    shot_fragment = True
+            assert shot_fragment, "the notebook has no fragment (a result after a question)"
+            assert [n for n, _ in measured.values()] == [s.cells for s in screens]
+            too_tall = {sid: round(h) for sid, (n, h) in measured.items() if n > 1 and h > height}
+            assert not too_tall, f"screens of several cells taller than the {height} px window: {too_tall}"
+
+            # the instructor's way: the notebook in JupyterLab, Alt+R (the RISE button in the notebook's toolbar)
+            lab_page = browser.new_page(viewport={"width": 1400, "height": 900})
+            lab_page.set_default_timeout(60_000)
+            lab_page.goto(f"{base}/lab/tree/{notebook.name}?token={token}")
+            expect(lab_page.locator(".jp-NotebookPanel-toolbar [data-command='RISE:preview']")).to_have_count(1,
+                                                                                                            timeout=90_000)
+            lab_page.locator(".jp-Notebook .jp-Cell").first.click()
+            lab_page.keyboard.press("Escape")  # command mode, where Alt+R is bound
+            lab_page.keyboard.press("Alt+r")
+            frame = lab_page.frame_locator(f"iframe[src*='/rise/{notebook.name}']")
+            expect(frame.locator(".reveal .slides section.present[id='slide-0-0']")).to_be_visible(timeout=90_000)
+            lab_page.wait_for_timeout(1000)
+            lab_page.screenshot(path=str(ARTIFACTS / "rise_in_jupyterlab.png"))
+        finally:
+            browser.close()
