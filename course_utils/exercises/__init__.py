@@ -9,7 +9,7 @@ from .core import (CORRECT, INCORRECT, NOT_ATTEMPTED, REGISTRY, Exercise, Incorr
                    check, describe, evaluate, get, hint, register, solution)
 
 # One module per notebook that has exercises, in course order.
-MODULES = ["nb01", "nb02", "nb03", "nb04", "nb05", "nb06", "nb07"]
+MODULES = ["nb01", "nb02", "nb03", "nb04", "nb05", "nb06", "nb07", "nb08"]
 
 
 def load_all() -> dict:

@@ -1,0 +1,497 @@
+"""Exercises of notebook 08, "More than one GPU".
+
+08.1 shard a dataset by rank (every sample on a rank, the same count on every rank), 08.2 the learning rate of a
+configuration (global batch, linear scaling, warm-up), 08.3 which snippets make the replicas drift apart (the key is
+checked for real on 2 processes by tests/test_nb08_demos.py), 08.4 gradient accumulation under DDP with `no_sync()`
+(checked on a process group of one process in this process, all-reduces counted with a comm hook).
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import tempfile
+from collections import Counter
+
+import torch
+from torch import nn
+
+from .core import Exercise, Incorrect, Mistake, call, describe, register
+
+# --- 08.1 shard a dataset by rank --------------------------------------------------------------------
+
+
+def reference_shards(n: int, world_size: int) -> list[list[int]]:
+    """DistributedSampler(shuffle=False)'s split of range(n): padded by wrapping around, then interleaved."""
+    total = math.ceil(n / world_size) * world_size
+    indices = list(range(n))
+    while len(indices) < total:
+        indices += indices[: total - len(indices)]
+    return [indices[rank:total:world_size] for rank in range(world_size)]
+
+
+def _as_index_list(value, label: str) -> list[int]:
+    if isinstance(value, torch.Tensor):
+        if value.dim() != 1 or value.dtype.is_floating_point or value.dtype == torch.bool:
+            raise Incorrect(f"{label} returned {describe(value)}; return a list of int sample indices")
+        return value.tolist()
+    if not isinstance(value, (list, tuple, range)):
+        raise Incorrect(f"{label} returned {describe(value)}; return a list of int sample indices")
+    out = []
+    for v in value:
+        if isinstance(v, bool) or not isinstance(v, int):
+            if isinstance(v, torch.Tensor) and v.dim() == 0 and not v.dtype.is_floating_point:
+                v = int(v)
+            else:
+                raise Incorrect(f"{label} returned a list holding {describe(v)}; every item should be an int index")
+        out.append(int(v))
+    return out
+
+
+_SHARD_CASES = [(100, 8), (10, 4), (8, 2), (7, 3), (3, 4), (1, 2), (9, 2)]  # the first is large: a random answer
+# cannot repeat itself between two calls by chance
+
+
+def _check_shard_indices(shard_indices):
+    if not callable(shard_indices):
+        raise Incorrect(f"shard_indices should be a function, got {describe(shard_indices)}")
+    like_sampler = True
+    for n, world in _SHARD_CASES:
+        shards = []
+        for rank in range(world):
+            label = f"shard_indices({n}, {rank}, {world})"
+            first = _as_index_list(call(shard_indices, n, rank, world, name="shard_indices"), label)
+            again = _as_index_list(call(shard_indices, n, rank, world, name="shard_indices"), label)
+            if first != again:
+                raise Incorrect(f"{label} returned {first[:6]}... then {again[:6]}...: the result differs between "
+                                "two calls. Every rank must compute its share on its own and agree with the others "
+                                "without talking to them: no unseeded randomness")
+            bad = [i for i in first if not 0 <= i < n]
+            if bad:
+                raise Incorrect(f"{label} returned index {bad[0]}, outside range({n})")
+            shards.append(first)
+        expected = reference_shards(n, world)
+        per_rank = math.ceil(n / world)
+        counts = [len(s) for s in shards]
+        where = f"for n={n} samples on {world} ranks"
+        if all(sorted(s) == list(range(n)) for s in shards) and n > 1:
+            raise Incorrect(f"{where}, every rank gets all {n} samples: each rank would train on the whole dataset, "
+                            "so one step sees the data world_size times; give each rank its own share")
+        if len(set(counts)) > 1:
+            raise Incorrect(f"{where}, the ranks get {counts} samples: unequal counts. With batches, one rank then "
+                            "runs more steps than another, and its last backward waits for an all-reduce the other "
+                            "ranks never join: a hang. Pad the list to a multiple of world_size by wrapping around "
+                            "(the first samples again), as DistributedSampler does")
+        covered = set().union(*map(set, shards))
+        missing = sorted(set(range(n)) - covered)
+        if missing and counts[0] < per_rank:
+            raise Incorrect(f"{where}, every rank gets {counts[0]} samples and samples {missing[:5]} are on no rank: "
+                            f"the code drops the remainder. Each rank should get ceil(n / world_size) = {per_rank}, the "
+                            "list padded by wrapping around")
+        if counts[0] != per_rank:
+            raise Incorrect(f"{where}, every rank gets {counts[0]} samples, expected ceil(n / world_size) = {per_rank}")
+        if missing:
+            twice = sorted(i for i, c in Counter(sum(shards, [])).items() if c > 1)
+            raise Incorrect(f"{where}, samples {missing[:5]} are on no rank and {twice[:5]} on more than one: did each "
+                            "rank shuffle with its own seed? Ranks never exchange their indices, so any shuffle must be "
+                            "the same seed on every rank (the same permutation), and each rank then takes its part")
+        if Counter(sum(shards, [])) != Counter(sum(expected, [])):
+            extra = sorted((Counter(sum(shards, [])) - Counter(range(n))).elements())
+            want = sorted((Counter(sum(expected, [])) - Counter(range(n))).elements())
+            raise Incorrect(f"{where}, the padding repeats samples {extra}; pad by wrapping around, with the first "
+                            f"samples again ({want}), as DistributedSampler does")
+        like_sampler = like_sampler and shards == expected
+    if like_sampler:
+        return "every sample on a rank, the same count everywhere: the split DistributedSampler(shuffle=False) makes"
+    return ("every sample on a rank, the same count everywhere (in blocks; DistributedSampler interleaves: "
+            "rank r takes every world_size-th index from r)")
+
+
+_SHARD_HEAD = "def shard_indices(n, rank, world_size):\n"
+_SHARD_SOLUTION = _SHARD_HEAD + (
+    "    per_rank = math.ceil(n / world_size)\n"
+    "    total = per_rank * world_size\n"
+    "    indices = list(range(n))\n"
+    "    while len(indices) < total:  # pad by wrapping around (more than once if n < world_size)\n"
+    "        indices += indices[: total - len(indices)]\n"
+    "    return indices[rank:total:world_size]\n")
+
+register(Exercise(
+    id="08.1", title="Shard a dataset by rank", answer="shard_indices",
+    blank=_SHARD_HEAD + "    raise NotImplementedError  # your code here\n",
+    solution=_SHARD_SOLUTION,
+    setup="import math\n\nimport torch\n",
+    checker=_check_shard_indices,
+    hints=["Every rank gets ceil(n / world_size) indices; the total, world_size times that, can exceed n.",
+           "Make range(n) longer by appending its first samples again until it has `total` items, then take "
+           "`indices[rank:total:world_size]`.",
+           "With n < world_size (3 samples, 4 ranks) one wrap is not enough: keep appending until the list is long "
+           "enough."],
+    mistakes=[
+        Mistake(_SHARD_HEAD + "    return list(range(rank, n, world_size))\n", "a hang"),
+        Mistake(_SHARD_HEAD + "    per = n // world_size\n    return list(range(rank * per, (rank + 1) * per))\n",
+                "drops the remainder"),
+        Mistake(_SHARD_HEAD + "    return list(range(n))\n", "every rank gets all"),
+        Mistake(_SHARD_HEAD + "    g = torch.Generator().manual_seed(rank)\n"
+                "    order = torch.randperm(n, generator=g).tolist()\n"
+                "    total = math.ceil(n / world_size) * world_size\n"
+                "    while len(order) < total:\n        order += order[: total - len(order)]\n"
+                "    return order[rank:total:world_size]\n", "its own seed"),
+        Mistake(_SHARD_HEAD + "    total = math.ceil(n / world_size) * world_size\n"
+                "    indices = list(range(n)) + [n - 1] * (total - n)\n    return indices[rank::world_size]\n",
+                "wrapping around"),
+        Mistake(_SHARD_HEAD + "    order = torch.randperm(n).tolist()\n"
+                "    total = math.ceil(n / world_size) * world_size\n"
+                "    while len(order) < total:\n        order += order[: total - len(order)]\n"
+                "    return order[rank:total:world_size]\n", "differs between two calls"),
+    ],
+))
+
+
+# --- 08.2 the learning rate of a configuration --------------------------------------------------------
+
+def reference_lr(step, base_lr, base_batch, world_size, batch_per_process, accumulate, warmup_steps) -> float:
+    target = base_lr * world_size * batch_per_process * accumulate / base_batch
+    if step < warmup_steps:
+        return base_lr + (target - base_lr) * step / warmup_steps
+    return target
+
+
+# (base_lr, base_batch, world_size, batch_per_process, accumulate, warmup_steps)
+_LR_CASES = [(0.1, 256, 8, 32, 1, 100), (0.1, 256, 4, 32, 4, 50), (0.05, 64, 2, 32, 1, 10),
+             (0.02, 128, 16, 64, 2, 0), (0.1, 256, 1, 64, 2, 20), (3e-4, 32, 8, 16, 2, 5)]
+
+
+def _lr_with(target: float, step: int, base_lr: float, warmup: int) -> float:
+    return base_lr + (target - base_lr) * step / warmup if step < warmup else target
+
+
+def _check_scaled_lr(scaled_lr):
+    if not callable(scaled_lr):
+        raise Incorrect(f"scaled_lr should be a function, got {describe(scaled_lr)}")
+    for base_lr, base_batch, world, batch, acc, warmup in _LR_CASES:
+        config = (f"base_lr={base_lr:g} for batch {base_batch}, {world} processes x batch {batch} x accumulate {acc}, "
+                  f"warmup_steps={warmup}")
+        glob = world * batch * acc
+        target = base_lr * glob / base_batch
+        # plausible wrong targets, each reached after the right warm-up
+        wrong_targets = [
+            (base_lr * world * batch / base_batch, f"accumulate is left out of the global batch; it is {world} x "
+                                                   f"{batch} x {acc} = {glob} samples per optimizer step"),
+            (base_lr * batch * acc / base_batch, f"world_size is left out: each optimizer step averages the gradients "
+                                                 f"of all {world} processes, so the global batch is {glob}"),
+            (base_lr * world, f"the rate is multiplied by the number of processes; the linear rule multiplies by "
+                              f"global batch / base batch = {glob} / {base_batch}"),
+            (base_lr * math.sqrt(glob / base_batch), "that is square-root scaling, another heuristic; this exercise "
+                                                     "asks for the linear scaling rule: base_lr x global batch / base "
+                                                     "batch"),
+        ]
+        for step in sorted({0, 1, warmup // 2, max(warmup - 1, 0), warmup, warmup + 7}):
+            got = call(scaled_lr, step, base_lr, base_batch, world, batch, acc, warmup, name="scaled_lr")
+            if isinstance(got, torch.Tensor) and got.numel() == 1:
+                got = got.item()
+            if isinstance(got, bool) or not isinstance(got, (int, float)):
+                raise Incorrect(f"scaled_lr returned {describe(got)}; return the learning rate as a float")
+            want = reference_lr(step, base_lr, base_batch, world, batch, acc, warmup)
+            if math.isclose(got, want, rel_tol=1e-9, abs_tol=1e-15):
+                continue
+            at = f"at step {step} ({config}) you return {got:g}, expected {want:g}"
+            for wrong, why in wrong_targets:
+                if math.isclose(got, _lr_with(wrong, step, base_lr, warmup), rel_tol=1e-9):
+                    raise Incorrect(f"{at}: likely mistake: {why}")
+            if step < warmup and math.isclose(got, target, rel_tol=1e-9):
+                raise Incorrect(f"{at}: likely mistake: no warm-up; during the first {warmup} steps the rate should "
+                                "climb linearly from base_lr to the scaled rate")
+            if step < warmup and math.isclose(got, target * step / warmup, rel_tol=1e-9, abs_tol=1e-15):
+                raise Incorrect(f"{at}: likely mistake: the warm-up starts at 0; Goyal et al. start it at base_lr (the "
+                                "rate that works for the base batch) and climb linearly to the scaled rate")
+            raise Incorrect(f"{at} (global batch {glob}: the rate climbs linearly from base_lr at step 0 to "
+                            f"{target:g} at step {warmup}, and stays there)")
+    return "global batch = processes x batch x accumulate; the linear rule, reached after a linear warm-up"
+
+
+_LR_HEAD = "def scaled_lr(step, base_lr, base_batch, world_size, batch_per_process, accumulate, warmup_steps):\n"
+_LR_SOLUTION = _LR_HEAD + (
+    "    global_batch = world_size * batch_per_process * accumulate\n"
+    "    target = base_lr * global_batch / base_batch  # the linear scaling rule\n"
+    "    if step < warmup_steps:  # climb linearly from base_lr to the target\n"
+    "        return base_lr + (target - base_lr) * step / warmup_steps\n"
+    "    return target\n")
+_LR_NO_WARMUP = ("    if step < warmup_steps:\n"
+                 "        return base_lr + (target - base_lr) * step / warmup_steps\n"
+                 "    return target\n")
+
+register(Exercise(
+    id="08.2", title="The learning rate of a configuration", answer="scaled_lr",
+    blank=_LR_HEAD + "    raise NotImplementedError  # your code here\n",
+    solution=_LR_SOLUTION,
+    setup="import math\n",
+    checker=_check_scaled_lr,
+    hints=["The global batch of one optimizer step is world_size x batch_per_process x accumulate.",
+           "The linear rule: target = base_lr x global_batch / base_batch. Before step warmup_steps, go linearly "
+           "from base_lr (step 0) to target (step warmup_steps)."],
+    mistakes=[
+        Mistake(_LR_HEAD + "    target = base_lr * world_size * batch_per_process / base_batch\n" + _LR_NO_WARMUP,
+                "accumulate is left out"),
+        Mistake(_LR_HEAD + "    target = base_lr * batch_per_process * accumulate / base_batch\n" + _LR_NO_WARMUP,
+                "world_size is left out"),
+        Mistake(_LR_HEAD + "    target = base_lr * world_size\n" + _LR_NO_WARMUP, "multiplied by the number of processes"),
+        Mistake(_LR_HEAD + "    return base_lr * world_size * batch_per_process * accumulate / base_batch\n",
+                "no warm-up"),
+        Mistake(_LR_HEAD + "    target = base_lr * world_size * batch_per_process * accumulate / base_batch\n"
+                "    if step < warmup_steps:\n        return target * step / warmup_steps\n    return target\n",
+                "starts at 0"),
+        Mistake(_LR_HEAD + "    target = base_lr * math.sqrt(world_size * batch_per_process * accumulate / base_batch)\n"
+                + _LR_NO_WARMUP, "square-root scaling"),
+    ],
+))
+
+
+# --- 08.3 which snippets make the replicas drift apart ------------------------------------------------
+
+# Verified on 2 real processes by course_utils.examples.ddp_demos (mode "diverge"), in tests/test_nb08_demos.py.
+DIVERGING = frozenset("ACG")
+_WHY = {
+    "A": "A steps the scheduler on rank 0 only: after the first epoch the ranks train with different learning "
+         "rates, so the same averaged gradient moves their weights by different amounts",
+    "B": "B is harmless: DDP broadcasts rank 0's parameters and buffers when it is constructed, so the per-rank seed "
+         "before building the model is overwritten",
+    "C": "C diverges: without DDP nothing broadcasts the initial weights, and identical averaged updates keep the "
+         "different starting points apart",
+    "D": "D does not make the replicas diverge: without set_epoch the sampler draws the same order in every epoch, "
+         "alike on every rank, so the weights stay equal; it is a different bug: the data is never reshuffled",
+    "E": "E is harmless: clip_grad_norm_ after backward clips the averaged gradients, the same on every rank",
+    "F": "F is harmless: different dropout masks on each rank only change the local gradients, which DDP averages "
+         "before every rank applies the same update",
+    "G": "G diverges: rank 0 clips its gradients and rank 1 does not, so their updates differ",
+}
+
+
+def _check_diverging(answer):
+    if isinstance(answer, str):
+        raise Incorrect(f"expected a set of letters such as {{\"A\", \"B\"}}, got the string {answer!r}")
+    if not isinstance(answer, (set, frozenset, list, tuple)):
+        raise Incorrect(f"expected a set of letters such as {{\"A\", \"B\"}}, got {describe(answer)}")
+    letters = set()
+    for item in answer:
+        if not isinstance(item, str) or item.strip().upper() not in _WHY:
+            raise Incorrect(f"{item!r} is not one of the snippets A to G")
+        letters.add(item.strip().upper())
+    wrong = sorted(letters - DIVERGING)
+    if wrong:
+        raise Incorrect("; ".join(_WHY[w] for w in wrong))
+    missing = sorted(DIVERGING - letters)
+    if missing:
+        raise Incorrect("one is missing: " + "; ".join(_WHY[m] for m in missing))
+    return ("A, C and G: anything that makes one rank's update differ (a rate, a clip, an optimizer step) or its "
+            "starting point differ without DDP's broadcast; 2 real processes drift apart on exactly these")
+
+
+register(Exercise(
+    id="08.3", title="Which snippets make the replicas drift apart", answer="diverging",
+    blank="diverging = ...  # a set of letters, e.g. {\"A\", \"B\"}",
+    solution="diverging = {\"A\", \"C\", \"G\"}",
+    checker=_check_diverging,
+    hints=["The replicas stay equal as long as every rank starts from the same weights and applies the same update. "
+           "DDP makes the gradients equal (averaged) after backward; what happens after that is up to each rank.",
+           "A per-rank seed matters only if nothing copies rank 0's weights to the others: DDP's constructor does."],
+    mistakes=[
+        Mistake("diverging = {\"A\", \"G\"}", "C diverges"),
+        Mistake("diverging = {\"A\", \"B\", \"C\", \"G\"}", "B is harmless"),
+        Mistake("diverging = {\"A\", \"C\", \"D\", \"G\"}", "a different bug"),
+        Mistake("diverging = {\"A\", \"C\", \"F\", \"G\"}", "F is harmless"),
+        Mistake("diverging = {\"A\", \"C\", \"E\", \"G\"}", "E is harmless"),
+        Mistake("diverging = {\"C\", \"G\"}", "A steps the scheduler on rank 0 only"),
+        Mistake("diverging = \"ACG\"", "got the string"),
+    ],
+))
+
+
+# --- 08.4 accumulation without an all-reduce per micro-batch ------------------------------------------
+
+@contextlib.contextmanager
+def one_process_group():
+    """A gloo process group of one process, in this process (a FileStore in a temporary folder), destroyed on
+    leaving. An existing group of one process is reused and left in place."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        if dist.get_world_size() != 1:
+            raise Incorrect("this check runs on a process group of one process; run it outside a distributed launch")
+        yield
+        return
+    with tempfile.TemporaryDirectory() as folder:
+        dist.init_process_group("gloo", store=dist.FileStore(os.path.join(folder, "store"), 1), rank=0, world_size=1)
+        try:
+            yield
+        finally:
+            dist.destroy_process_group()
+
+
+_SIZES = (5, 3, 4)  # micro-batches of unequal size: weighting by 1/k would be wrong
+
+
+def _micro_batches(seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(n, 6, generator=g), torch.randint(0, 3, (n,), generator=g)) for n in _SIZES]
+
+
+def _net(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+
+
+def _after_step(weights_of) -> list[torch.Tensor]:
+    """The weights after one SGD step (lr 0.1) from _net() with the gradient `weights_of(model)` builds."""
+    model = _net()
+    weights_of(model)
+    with torch.no_grad():
+        return [p - 0.1 * p.grad for p in model.parameters()]
+
+
+def _oracles(micro) -> dict[str, list[torch.Tensor]]:
+    loss_fn = nn.CrossEntropyLoss()
+    x = torch.cat([b[0] for b in micro])
+    y = torch.cat([b[1] for b in micro])
+    total = len(y)
+
+    def full(m):
+        loss_fn(m(x), y).backward()
+
+    def unweighted(m):
+        for xb, yb in micro:
+            loss_fn(m(xb), yb).backward()
+
+    def one_over_k(m):
+        for xb, yb in micro:
+            (loss_fn(m(xb), yb) / len(micro)).backward()
+
+    def last_only(m):
+        xb, yb = micro[-1]
+        (loss_fn(m(xb), yb) * len(yb) / total).backward()
+
+    def stale(m):  # the gradients that were already there (7.0 everywhere) are kept
+        for p in m.parameters():
+            p.grad = torch.full_like(p, 7.0)
+        full(m)
+
+    return {name: _after_step(fn) for name, fn in
+            [("full", full), ("unweighted", unweighted), ("one_over_k", one_over_k), ("last_only", last_only),
+             ("stale", stale)]}
+
+
+def _close(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return all(torch.allclose(p, q, rtol=1e-5, atol=1e-6) for p, q in zip(a, b))
+
+
+def _check_accumulate_step(accumulate_step):
+    from torch.nn.parallel import DistributedDataParallel
+
+    if not callable(accumulate_step):
+        raise Incorrect(f"accumulate_step should be a function, got {describe(accumulate_step)}")
+    micro = _micro_batches()
+    oracles = _oracles(micro)
+    with one_process_group():
+        model = _net()
+        ddp = DistributedDataParallel(model)
+        allreduces = []
+
+        def counting_allreduce(state, bucket):  # DDP's all-reduce of one bucket of gradients, counted
+            import torch.distributed as dist
+            allreduces.append(bucket.buffer().numel())
+            work = dist.all_reduce(bucket.buffer(), async_op=True)
+            return work.get_future().then(lambda fut: fut.value()[0])
+
+        ddp.register_comm_hook(None, counting_allreduce)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        steps = []
+        real_step = optimizer.step
+        optimizer.step = lambda *a, **k: (steps.append(1), real_step(*a, **k))[1]
+        for p in model.parameters():  # gradients left over from an earlier step: zero them first
+            p.grad = torch.full_like(p, 7.0)
+        try:
+            call(accumulate_step, ddp, optimizer, nn.CrossEntropyLoss(), [(x.clone(), y.clone()) for x, y in micro],
+                 name="accumulate_step", check_mutation=False)
+            weights = [p.detach().clone() for p in model.parameters()]
+        finally:
+            del ddp, counting_allreduce
+    k = len(micro)
+    if len(steps) != 1:
+        raise Incorrect(f"optimizer.step() ran {len(steps)} times for {k} micro-batches: likely mistake: "
+                        + ("a step per micro-batch; accumulate the gradients of all of them, then step once"
+                           if len(steps) > 1 else "no optimizer step at the end"))
+    if not allreduces:
+        raise Incorrect("no gradient all-reduce ran: the last backward ran inside no_sync too (or not through "
+                        "ddp_model), so the gradients were never averaged over ranks. Run the last micro-batch's "
+                        "forward and backward through ddp_model outside no_sync()")
+    if len(allreduces) >= k:
+        raise Incorrect(f"the gradients were all-reduced after every micro-batch ({len(allreduces)} bucket "
+                        f"all-reduces for {k} micro-batches): likely mistake: no no_sync(), or only the backward "
+                        "inside it (DDP decides at the forward). Run the forward and backward of all but the last "
+                        "micro-batch inside `with ddp_model.no_sync():`, so only the last backward communicates")
+    if _close(weights, oracles["full"]):
+        return (f"{len(allreduces)} all-reduce for {k} micro-batches, and the update of one batch of {sum(_SIZES)}: "
+                "no_sync for all but the last, each loss weighted by its share of the samples")
+    for name, feedback in [
+            ("stale", "the gradients left from before were kept: likely mistake: no optimizer.zero_grad() before the "
+                      "first backward"),
+            ("last_only", "the update is that of the last micro-batch alone: likely mistake: zero_grad() inside the "
+                          "loop, which throws away the gradients accumulated so far"),
+            ("unweighted", "the update is the sum of the micro-batches' mean-loss gradients: likely mistake: the "
+                           "losses are not weighted by share; weight each by len(targets) / total samples"),
+            ("one_over_k", f"each micro-batch's mean loss is weighted by 1/k: with micro-batches of different sizes "
+                           f"({', '.join(map(str, _SIZES))}) weight each by len(targets) / total samples")]:
+        if _close(weights, oracles[name]):
+            raise Incorrect(feedback)
+    raise Incorrect(f"the weights after your step differ from one step on the {sum(_SIZES)} samples together "
+                    "(largest difference "
+                    f"{max((p - q).abs().max().item() for p, q in zip(weights, oracles['full'])):.2e})")
+
+
+_ACC_HEAD = "def accumulate_step(ddp_model, optimizer, loss_fn, micro_batches):\n"
+_ACC_SOLUTION = _ACC_HEAD + (
+    "    optimizer.zero_grad()\n"
+    "    total = sum(len(y) for _, y in micro_batches)\n"
+    "    *first, last = micro_batches\n"
+    "    with ddp_model.no_sync():  # gradients accumulate locally: no all-reduce\n"
+    "        for x, y in first:\n"
+    "            (loss_fn(ddp_model(x), y) * len(y) / total).backward()\n"
+    "    x, y = last\n"
+    "    (loss_fn(ddp_model(x), y) * len(y) / total).backward()  # this backward all-reduces the sum\n"
+    "    optimizer.step()\n")
+
+register(Exercise(
+    id="08.4", title="Accumulate without an all-reduce per micro-batch", answer="accumulate_step",
+    blank=_ACC_HEAD + "    raise NotImplementedError  # your code here\n",
+    solution=_ACC_SOLUTION,
+    setup="import torch\n",
+    checker=_check_accumulate_step,
+    timeout=20,
+    hints=["One optimizer step for the whole list: zero_grad first, a backward per micro-batch, step at the end.",
+           "`with ddp_model.no_sync():` around the forward and backward of every micro-batch except the last; the "
+           "last backward, outside it, all-reduces the accumulated gradients.",
+           "The loss_fn returns a mean over its micro-batch: multiply each by len(y) / total so the sum of the "
+           "gradients is the mean over all samples."],
+    mistakes=[
+        Mistake(_ACC_HEAD + "    optimizer.zero_grad()\n    total = sum(len(y) for _, y in micro_batches)\n"
+                "    for x, y in micro_batches:\n        (loss_fn(ddp_model(x), y) * len(y) / total).backward()\n"
+                "    optimizer.step()\n", "no no_sync()"),
+        Mistake(_ACC_HEAD + "    optimizer.zero_grad()\n    total = sum(len(y) for _, y in micro_batches)\n"
+                "    with ddp_model.no_sync():\n        for x, y in micro_batches:\n"
+                "            (loss_fn(ddp_model(x), y) * len(y) / total).backward()\n    optimizer.step()\n",
+                "never averaged"),
+        Mistake(_ACC_SOLUTION.replace(" * len(y) / total", ""), "not weighted by share"),
+        Mistake(_ACC_SOLUTION.replace(" * len(y) / total", " / len(micro_batches)"), "weighted by 1/k"),
+        Mistake(_ACC_SOLUTION.replace("    optimizer.zero_grad()\n", ""), "no optimizer.zero_grad()"),
+        Mistake(_ACC_HEAD + "    total = sum(len(y) for _, y in micro_batches)\n    *first, last = micro_batches\n"
+                "    with ddp_model.no_sync():\n        for x, y in first:\n            optimizer.zero_grad()\n"
+                "            (loss_fn(ddp_model(x), y) * len(y) / total).backward()\n    x, y = last\n"
+                "    optimizer.zero_grad()\n    (loss_fn(ddp_model(x), y) * len(y) / total).backward()\n"
+                "    optimizer.step()\n", "zero_grad() inside the loop"),
+        Mistake(_ACC_HEAD + "    optimizer.zero_grad()\n    total = sum(len(y) for _, y in micro_batches)\n"
+                "    *first, last = micro_batches\n    with ddp_model.no_sync():\n        for x, y in first:\n"
+                "            (loss_fn(ddp_model(x), y) * len(y) / total).backward()\n            optimizer.step()\n"
+                "    x, y = last\n    (loss_fn(ddp_model(x), y) * len(y) / total).backward()\n    optimizer.step()\n",
+                "a step per micro-batch"),
+    ],
+))
