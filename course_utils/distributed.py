@@ -66,14 +66,21 @@ def timeout_seconds() -> float:
 def setup(device_type: str | None = None) -> "Process | None":
     """Join the process group torchrun describes (once per process) and return this process's place in it.
 
-    `device_type`: "cuda" for NCCL with one GPU per local rank, "cpu" for gloo; default: CUDA if available.
+    `device_type`: "cuda" for NCCL with one GPU per local rank, "cpu" for gloo; default: CUDA if this machine
+    has a GPU for every local process, else the CPU. Asking for CUDA with fewer GPUs than processes is an error.
     Returns None when the script was not launched as several processes.
     """
     process = Process.from_environment()
     if process is None:
         return None
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", process.world_size))
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if device_type is None:
-        device_type = "cuda" if torch.cuda.is_available() else "cpu"
+        device_type = "cuda" if gpus >= local_world else "cpu"
+    if device_type == "cuda" and gpus < local_world:
+        raise RuntimeError(f"torchrun started {local_world} processes on this machine, but it has {gpus} CUDA "
+                           f"GPU(s), and data parallelism runs one process per GPU: start at most {gpus} "
+                           "(--nproc-per-node), or train on the CPU (device='cpu', gloo) to try it out")
     process.backend = "nccl" if device_type == "cuda" else "gloo"
     if not dist.is_initialized():
         if device_type == "cuda":

@@ -125,6 +125,9 @@ class Trainer:
         # Under torchrun: join the process group; one GPU per local rank (or the CPU, with gloo).
         self.process = distributed.setup(device.type)
         self.device = distributed.device_for(self.process, device.type) if self.process is not None else device
+        if sync_batchnorm and self.process is not None and self.device.type != "cuda":
+            raise ValueError("sync_batchnorm=True needs CUDA GPUs: SyncBatchNorm runs only on GPU modules "
+                             f"(DistributedDataParallel refuses it on {self.device.type}); leave it off here")
         if sync_batchnorm and self.process is not None:
             model = nn.SyncBatchNorm.convert_sync_batchnorm(model)  # the same parameters, in new modules
         self.model = model.to(self.device)  # modules move in place; the optimizer's parameters stay the same objects

@@ -62,8 +62,11 @@ def main(argv=None) -> dict:
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args(argv)
 
-    device_type = "cuda" if torch.cuda.is_available() else "cpu"
-    process = distributed.setup(device_type)
+    process = distributed.setup()  # NCCL when there is a GPU for every process, else gloo on the CPU
+    if process is not None:
+        device_type = "cuda" if process.backend == "nccl" else "cpu"
+    else:
+        device_type = "cuda" if torch.cuda.is_available() else "cpu"
     device = distributed.device_for(process, device_type) if process else torch.device(device_type)
     result = {"world_size": process.world_size if process else 1, "backend": process.backend if process else None,
               "device": str(device), "allreduce": [], "step": {}}
