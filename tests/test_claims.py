@@ -13,7 +13,6 @@ ROW = re.compile(r"^\|\s*(\d+)\s*\|(.+)\|(.+)\|(.+)\|\s*$")
 CITATION = re.compile(r"\b[Cc]laims?\*{0,2}\s+\*{0,2}(\d+(?:\s*(?:,|and)\s*\d+)*)")
 LINK = re.compile(r"\]\((?:\.\./)?CLAIMS\.md(?:#[^)]*)?\)")
 # Notebooks edited elsewhere: their link to CLAIMS.md is expected from that work.
-LINK_PENDING = {"05_memory.ipynb", "07_capstone.ipynb"}
 
 
 def listed_claims() -> dict[int, tuple[str, str, set[str]]]:
@@ -68,8 +67,6 @@ def test_every_listed_claim_is_checked_where_the_list_says():
 def test_a_notebook_that_cites_claims_links_the_list(path):
     if not CITED[path.name]:
         pytest.skip("cites no claim")
-    if not LINK.search(notebook_text(path)) and path.name in LINK_PENDING:
-        pytest.xfail(f"{path.name} is edited elsewhere; its link to CLAIMS.md comes with that work")
     assert LINK.search(notebook_text(path)), f"{path.name} cites claims but does not link ../CLAIMS.md"
 
 
