@@ -710,3 +710,85 @@ register(Exercise(
                 "a step after every micro-batch"),
     ],
 ))
+
+
+# --- 05.7 the Trainer's memory check in one function --------------------------------------------------
+
+def _fit_estimates():
+    """Real estimates (fake tensors: nothing allocated) of a small model with Adam and with SGD."""
+    from ..memory import estimate_training_memory
+
+    out = []
+    for make_opt in (lambda p: torch.optim.Adam(p), lambda p: torch.optim.SGD(p, lr=0.1)):
+        model = _mlp(width=96, depth=3, inputs=48, seed=5)
+        out.append(estimate_training_memory(model, make_opt(model.parameters()), _data(64, inputs=48, seed=6),
+                                            F.cross_entropy))
+    return out
+
+
+_FIT_RULES = [  # (a rule a learner may write, its feedback)
+    (lambda e, free: e.total <= free,
+     "the whole predicted peak was compared with the free memory, but the parameters and the batch are already in "
+     "memory (they are not in what is free): compare total - parameters - batch"),
+    (lambda e, free: e.activations <= free,
+     "only the activations were compared; the step also creates the gradients and (on its first step) the "
+     "optimizer state"),
+    (lambda e, free: e.parameters + e.gradients + e.optimizer_state + e.activations <= free,
+     "the parts were added up (parameters + gradients + state + activations); the peak is less than their sum, "
+     "since activations are freed while the gradients grow, and the parameters already exist: use estimate.total"),
+    (lambda e, free: e.total - e.parameters - e.batch < free,
+     "a step that needs exactly the free memory does not fit with `<`; it does: use `<=`"),
+]
+
+
+def _check_will_fit(will_fit):
+    _require_function(will_fit, "will_fit")
+    cases = []
+    for est in _fit_estimates():
+        needed = est.total - est.parameters - est.batch
+        parts = est.parameters + est.gradients + est.optimizer_state + est.activations
+        for free in (needed, needed - 1, (needed + est.total) // 2, (est.activations + needed) // 2,
+                     (needed + min(parts, est.total)) // 2, est.total, est.activations):
+            cases.append((est, free, needed <= free))
+    answers = []
+    for est, free, _ in cases:
+        got = call(will_fit, est, free, name="will_fit", check_mutation=False)
+        if not isinstance(got, bool):
+            raise Incorrect(f"will_fit should return True or False, got {describe(got)}")
+        answers.append(got)
+    if answers == [expected for _, _, expected in cases]:
+        return "the same comparison the Trainer makes before its first step"
+    for rule, feedback in _FIT_RULES:
+        if answers == [rule(est, free) for est, free, _ in cases]:
+            raise Incorrect(f"likely mistake: {feedback}")
+    est, free, expected = next(c for c, a in zip(cases, answers) if a != c[2])
+    raise Incorrect(f"with {format_bytes(free)} free (predicted peak {format_bytes(est.total)}, of which parameters "
+                    f"{format_bytes(est.parameters)} and batch {format_bytes(est.batch)} already exist) you said "
+                    f"{not expected}, but it {'fits' if expected else 'does not fit'}: the step needs "
+                    f"{format_bytes(est.total - est.parameters - est.batch)} more than what already exists")
+
+
+_FIT_SIG = ("def will_fit(estimate, free_bytes):\n"
+            "    \"\"\"Will a training step fit? `estimate`: estimate_training_memory(model, optimizer, batch, ...) for a model\n"
+            "    and a batch already on the device; `free_bytes`: what the device still has free.\"\"\"\n")
+
+register(Exercise(
+    id="05.7", title="The Trainer's memory check in one function", answer="will_fit",
+    blank=_FIT_SIG + "    raise NotImplementedError  # your code here\n",
+    solution=(_FIT_SIG
+              + "    # parameters and batch are already allocated: only the rest of the peak must fit in what is free\n"
+                "    still_needed = estimate.total - estimate.parameters - estimate.batch\n"
+                "    return still_needed <= free_bytes\n"),
+    setup="",
+    checker=_check_will_fit,
+    hints=["estimate.total is the predicted peak of everything, including what already exists.",
+           "Which parts of the peak are in memory before the step starts? They are not in `free_bytes`."],
+    mistakes=[
+        Mistake(_FIT_SIG + "    return estimate.total <= free_bytes\n", "already in memory"),
+        Mistake(_FIT_SIG + "    return estimate.activations <= free_bytes\n", "only the activations"),
+        Mistake(_FIT_SIG + "    return (estimate.parameters + estimate.gradients + estimate.optimizer_state\n"
+                "            + estimate.activations) <= free_bytes\n", "added up"),
+        Mistake(_FIT_SIG + "    return estimate.total - estimate.parameters - estimate.batch < free_bytes\n",
+                "use `<=`"),
+    ],
+))
