@@ -2,6 +2,7 @@
 
     torchrun --nproc-per-node 2 ddp_worker.py count OUT   # accumulate=2: count gradient all-reduces per step
     torchrun --nproc-per-node 2 ddp_worker.py fail        # rank 1 raises at its third batch
+    torchrun --nproc-per-node 2 ddp_worker.py oom         # rank 1 alone runs out of memory (oom_recovery=True)
 """
 import json
 import sys
@@ -20,10 +21,14 @@ class BreakOnRank1(Callback):
             raise RuntimeError("rank 1 broke on purpose")
 
 
+def linear_model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Flatten(), nn.Linear(784, 10))
+
+
 def trainer(**kwargs):
     data = synthetic_digits(512, seed=0)
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Flatten(), nn.Linear(784, 10))
+    model = linear_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     return Trainer(model, opt, nn.CrossEntropyLoss(), TensorLoader.from_dataset(data, batch_size=16, seed=0),
                    device="cpu", **kwargs)
@@ -47,6 +52,24 @@ def main(mode, out=None):
                        "batches": t.batches_trained}, open(out, "w"))
     elif mode == "fail":
         trainer(callbacks=[BreakOnRank1()])(2)
+    elif mode == "oom":  # rank 1 alone runs out of memory with oom_recovery on
+        from course_utils.memory import SimulatedGPU
+
+        t = trainer(oom_recovery=True)
+        if t.process.rank == 1:
+            probe = linear_model()  # a step's peak, measured on a copy (no Trainer: that would join DDP again)
+            opt = torch.optim.SGD(probe.parameters(), lr=0.05)
+            with SimulatedGPU("1GiB", model=probe, optimizer=opt) as sim:
+                before = sim.memory_allocated()
+                x, y = torch.randn(16, 1, 28, 28), torch.randint(0, 10, (16,))  # a batch, as the loader makes it
+                nn.functional.cross_entropy(probe(x), y).backward()
+                opt.step()
+                peak = sim.max_memory_allocated()
+            budget = before + (peak - before) * 19 // 20  # the batch fits, the whole step does not
+            with SimulatedGPU(budget, model=t.model, optimizer=t.optimizer):
+                t(1)
+        else:
+            t(1)
 
 
 if __name__ == "__main__":

@@ -90,6 +90,14 @@ def test_a_rank_that_raises_stops_the_job_with_its_error():
     assert elapsed < 60, f"the job took {elapsed:.0f} s to stop"
 
 
+def test_an_oom_on_one_rank_stops_every_rank_with_a_clear_error():
+    start = time.monotonic()
+    run = torchrun(HERE / "ddp_worker.py", "oom", env={distributed.ENV_TIMEOUT: "20"}, timeout=120)
+    assert run.returncode != 0
+    assert "out of memory in a distributed run" in run.stdout + run.stderr
+    assert time.monotonic() - start < 60
+
+
 def test_process_from_environment():
     assert distributed.Process.from_environment({}) is None
     assert distributed.Process.from_environment({"RANK": "0", "WORLD_SIZE": "1"}) is None
