@@ -18,6 +18,9 @@ With `accumulate=k`, an optimizer step follows every k batches. A hook may raise
 order they were passed in. `state_dict()` / `load_state_dict()` put a callback's own state in the Trainer's
 checkpoints.
 
+In a distributed run every rank runs the callbacks: decide to stop from global figures (the epoch logs are
+global, as `EarlyStopping` does), so that all ranks raise `StopTraining` at the same point.
+
 Hooks get no tensors' values: calling `.item()` on `loss` every batch is a CPU-GPU sync, so keep the tensor
 or sum it on the device instead.
 """

@@ -109,6 +109,12 @@ class Trainer:
           it after every optimizer step).
       checkpoint: a file path (`Checkpoint(path)`): the full state is written there atomically after every
           epoch and when training stops early. `Trainer.load_checkpoint(path)` resumes exactly.
+
+    Under `torchrun` the same script trains data-parallel (`course_utils.distributed`): the model is wrapped in
+    DistributedDataParallel (`trainer.train_model`; `trainer.model` stays your module), each process gets its
+    share of every epoch, and the loader's `batch_size` is per process, as in PyTorch: the global batch is
+    `world_size x batch_size x accumulate`. Losses and validation figures are global; rank 0 prints and writes
+    checkpoints (`trainer.is_main`). `sync_batchnorm=True` converts BatchNorm layers to SyncBatchNorm (GPUs only).
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn, train_loader,
