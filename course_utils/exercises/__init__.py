@@ -1,6 +1,6 @@
 """Auto-checked exercises: `check(id, answer)`, `hint(id)`, `solution(id)`.
 
-Each notebook's exercises live in their own module (`nb01.py`, `nb02.py`, ...), registered when first
+Each notebook's exercises live in their own module (`nb00.py`, `nb01.py`, ...), registered when first
 needed. `python -m course_utils.exercises solve notebooks/ solved/` writes the solved notebooks.
 """
 import importlib
@@ -9,7 +9,7 @@ from .core import (CORRECT, INCORRECT, NOT_ATTEMPTED, REGISTRY, Exercise, Incorr
                    check, describe, evaluate, get, hint, register, solution)
 
 # One module per notebook that has exercises, in course order.
-MODULES = ["nb01", "nb02", "nb03", "nb04", "nb05", "nb06", "nb07", "nb08"]
+MODULES = ["nb00", "nb01", "nb02", "nb03", "nb04", "nb05", "nb06", "nb07", "nb08"]
 
 
 def load_all() -> dict:
