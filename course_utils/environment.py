@@ -126,12 +126,14 @@ def driver_runs_build(build: tuple[int, int], driver_cuda: tuple[int, int], driv
 
 
 def _arch(name: str) -> tuple[tuple[int, int], str] | None:
-    """'sm_86' -> ((8, 6), 'sm'); 'compute_90' -> ((9, 0), 'compute'); 'sm_90a' -> ((9, 0), 'sm_a')."""
+    """'sm_86' -> ((8, 6), 'sm'); 'compute_90' -> ((9, 0), 'compute'); 'sm_90a' -> ((9, 0), 'sm_a');
+    'sm_100f' -> ((10, 0), 'sm')."""
     kind, _, rest = name.partition("_")
     digits = rest.rstrip("af")
     if kind not in ("sm", "compute") or len(digits) < 2 or not digits.isdigit():
         return None
-    return (int(digits[:-1]), int(digits[-1])), kind + ("_a" if digits != rest else "")
+    # 'a' (arch-specific) code runs only on that GPU; 'f' (family) code on the family, like plain sm code
+    return (int(digits[:-1]), int(digits[-1])), kind + ("_a" if rest.endswith("a") else "")
 
 
 def build_supports_gpu(capability: tuple[int, int], arch_list: list[str]) -> tuple[bool, str]:

@@ -181,6 +181,7 @@ def test_driver_against_build_uses_cuda_s_compatibility_rules(build, driver_cuda
     ((10, 0), ARCH_CU124 + ["compute_90"], True, "PTX"),   # a build that ships PTX: JIT-compiled
     ((9, 0), ["sm_90a"], True, "machine code"),
     ((10, 0), ["sm_90a"], False, "newer"),                 # arch-specific code runs only on that GPU
+    ((10, 3), ["sm_100f"], True, "machine code"),          # family code runs on the family
 ])
 def test_build_against_gpu(capability, archs, ok, words):
     from course_utils.environment import build_supports_gpu
