@@ -147,10 +147,20 @@ def batch_size(ctx: Context) -> dict:
 
 @section("speed_ladder")
 def speed_ladder(ctx: Context) -> dict:
-    """Notebook 04: every rung, torch.compile included, on the GPU."""
+    """Notebook 04: every rung, torch.compile included, on the GPU; each rung's MFU against the peak measured
+    here (the best matrix product or CifarCNN convolution) in the precision it computes in (float32, TF32,
+    bf16/fp16)."""
     result = speed.run_ladder(ctx.device, ctx.cifar, include_compile=True, compile_backend=ctx.sizes.compile_backend,
                               batch_size=ctx.sizes.batch_size, **ctx.sizes.gpu_train)
-    return result.to_dict()
+    figures = result.to_dict()
+    measured = {speed.rung_precision(r.config, ctx.device) for r in speed.RUNGS if r.name in result.images_per_s}
+    precisions = [p for p in speed.PRECISIONS if p in measured]
+    conv_batches = (ctx.sizes.batch_size,) if ctx.sizes.batch_size else (64, 256)
+    peaks = {p: max([*speed.matmul_peak_sweep(ctx.sizes.matmul, ctx.device, p).values(),
+                     *speed.conv_sweep(ctx.device, p, conv_batches).values()]) for p in precisions}
+    figures["peak_gflops"] = peaks
+    figures["mfu"] = speed.ladder_mfu(result.images_per_s, peaks, ctx.device)
+    return figures
 
 
 @section("transfers")

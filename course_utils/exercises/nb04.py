@@ -3,7 +3,8 @@
 04.1 time an asynchronous device correctly (warm-up, synchronize, median), checked against a simulated
 GPU whose work only happens when you synchronize; 04.2 an epoch's mean loss with one CPU-GPU sync,
 counted on every host read of the loss tensors; 04.3 a fair speed-up on a simulated machine whose load changes
-(alternation, warm-up, median of paired ratios).
+(alternation, warm-up, median of paired ratios); 04.4 host reads per step counted in a torch.profiler profile,
+checked on profiles of loops with known reads per step.
 """
 from __future__ import annotations
 
@@ -15,6 +16,9 @@ import torch
 
 from ._sync import HostReads, on_device
 from .core import Exercise, Incorrect, Mistake, call, describe, register
+
+_READ_OP = "aten::_local_scalar_dense"  # every scalar read: .item(), float(), int(), bool(), formatting
+_ITEM_OP = "aten::item"                 # the op those call, which calls _READ_OP: one read, two nested events
 
 
 def _as_number(value, label: str, what: str) -> float:
@@ -393,5 +397,148 @@ register(Exercise(
             "        start = time.perf_counter()\n        baseline()\n        t_b = time.perf_counter() - start\n"
             "        start = time.perf_counter()\n        candidate()\n        t_c = time.perf_counter() - start\n"
             "        ratios.append(t_b / t_c)\n    return statistics.median(ratios)\n"), "time.perf_counter()"),
+    ],
+))
+
+
+# --- 04.4 host reads per step, from a profile ---------------------------------------------------------
+
+def _toy_step(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """A training step in miniature: forward, backward; returns the loss (a 0-d tensor)."""
+    w.grad = None
+    loss = ((w * x) ** 2).mean()
+    loss.backward()
+    return loss.detach()
+
+
+def _loop_item(w, x, steps):
+    for _ in range(steps):
+        _toy_step(w, x).item()
+
+
+def _loop_float_and_if(w, x, steps):
+    running = 0.0
+    for _ in range(steps):
+        loss = _toy_step(w, x)
+        running += float(loss)
+        if loss > 1e6:  # an `if` on a tensor: bool(), a read
+            raise FloatingPointError("diverged")
+
+
+def _loop_once(w, x, steps):
+    total = torch.zeros(())
+    for _ in range(steps):
+        total += _toy_step(w, x)
+    (total / steps).item()
+
+
+def _loop_format(w, x, steps):
+    lines = []
+    for step in range(steps):
+        loss = _toy_step(w, x)
+        lines.append(f"step {step}: {loss:.3f}, x[0] {int(x[0])}")  # formatting and int(): two reads
+
+
+def _loop_none(w, x, steps):
+    for _ in range(steps):
+        _toy_step(w, x)
+
+
+# (what the loop does, reads per step, the loop, steps profiled)
+_PROFILED = [
+    ("loss.item() every step", 1.0, _loop_item, 5),
+    ("float(loss) and an `if loss > ...` every step", 2.0, _loop_float_and_if, 4),
+    ("one .item() after all the steps", 0.25, _loop_once, 4),
+    ("an f-string of the loss and int() of a tensor every step", 2.0, _loop_format, 3),
+    ("no read at all", 0.0, _loop_none, 3),
+]
+
+
+def _profile(loop, steps):
+    from torch.profiler import ProfilerActivity, profile
+
+    w, x = torch.ones(8, requires_grad=True), torch.linspace(0.5, 1.5, 8)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        loop(w, x, steps)
+    return prof
+
+
+def _near(a: float, b: float) -> bool:
+    return math.isclose(a, b, rel_tol=1e-6, abs_tol=1e-9)
+
+
+def _check_syncs_per_step(syncs_per_step):
+    if isinstance(syncs_per_step, type) or not callable(syncs_per_step):
+        raise Incorrect(f"syncs_per_step should be a function, got {describe(syncs_per_step)}")
+    runs = []  # (label, expected, got, steps, prof)
+    for label, expected, loop, steps in _PROFILED:
+        prof = _profile(loop, steps)
+        got = call(syncs_per_step, prof, steps, name="syncs_per_step", check_mutation=False)
+        runs.append((label, expected, _as_number(got, "syncs_per_step", "a number of reads per step"), steps, prof))
+    wrong = [r for r in runs if not _near(r[2], r[1])]
+    if not wrong:
+        return "every loop's reads per step, counted once each, from the profile's calls"
+    if all(_near(got, expected * steps) for _, expected, got, steps, _ in runs):
+        raise Incorrect("you returned the reads of the whole profile (e.g. 5 for .item() in each of 5 steps): "
+                        "likely mistake: not divided by steps. The question is per step: divide by `steps`")
+    if all(_near(got, 2 * expected) for _, expected, got, _, _ in runs):
+        raise Incorrect(f"twice the right number for every loop: likely mistake: each read counted twice. "
+                        f"{_ITEM_OP} calls {_READ_OP} and the profile records both, nested: count one of them")
+    for label, expected, got, steps, prof in runs:
+        if expected <= 0:
+            continue
+        times = []
+        for event in prof.key_averages():
+            if event.key in (_READ_OP, _ITEM_OP):
+                for attr in ("cpu_time_total", "self_cpu_time_total", "cpu_time"):
+                    value = float(getattr(event, attr))
+                    times += [value, value / steps]
+        if any(_near(got, t) for t in times) and not _near(got, expected):
+            raise Incorrect(f"for {label} you returned {got:g}, which is a time in microseconds, not a count: "
+                            "likely mistake: a time column (cpu_time_total, ...) instead of the number of calls. "
+                            "Read the event's count")
+    fractional = [r for r in runs if r[1] != int(r[1])]
+    if fractional and all(_near(got, math.floor(expected)) for _, expected, got, _, _ in fractional) and all(
+            _near(got, expected) for _, expected, got, _, _ in runs if expected == int(expected)):
+        label, expected, got, steps, _ = fractional[0]
+        raise Incorrect(f"for {label} ({steps} steps) you returned {got:g}, not {expected:g}: likely mistake: "
+                        "rounded down (// or int()); one read every 4 steps is 0.25 per step: use /")
+    label, expected, got, steps, _ = wrong[0]
+    raise Incorrect(f"for a loop with {label}, profiled for {steps} steps, there are {expected:g} reads per step; "
+                    f"syncs_per_step returned {got:g}. Every read of a tensor's value (.item(), float(), int(), "
+                    "bool(), formatting) shows up as one call of the same operator: find it in the table")
+
+
+_SYNCS_DOC = ("def syncs_per_step(prof, steps):\n"
+              "    \"\"\"Host reads of a tensor's value per step (.item(), float(), int(), bool() or an `if` on a\n"
+              "    tensor, formatting: each a CPU-GPU sync point on a GPU), counted in a finished torch.profiler\n"
+              "    profile `prof` of `steps` steps.\"\"\"\n")
+
+register(Exercise(
+    id="04.4", title="Host reads per step, from a profile", answer="syncs_per_step",
+    blank=_SYNCS_DOC + "    raise NotImplementedError  # your code here\n",
+    solution=_SYNCS_DOC + (
+        "    reads = sum(e.count for e in prof.key_averages() if e.key == \"aten::_local_scalar_dense\")\n"
+        "    return reads / steps\n"),
+    checker=_check_syncs_per_step,
+    timeout=30.0,
+    hints=["prof.key_averages() has one row per operator name (`.key`), with `.count`, the number of calls. "
+           "Which operator does every read go through? The table of the naive loop and the cell before this "
+           "exercise show it.",
+           "aten::item calls aten::_local_scalar_dense: a read appears under both names. Count the calls of "
+           "one of them and divide by steps (with /: a read every 4 steps is 0.25)."],
+    mistakes=[
+        Mistake(_SYNCS_DOC + "    return sum(e.count for e in prof.key_averages() "
+                             "if e.key == \"aten::_local_scalar_dense\")\n", "not divided by steps"),
+        Mistake(_SYNCS_DOC + ("    names = (\"aten::item\", \"aten::_local_scalar_dense\")\n"
+                              "    return sum(e.count for e in prof.key_averages() if e.key in names) / steps\n"),
+                "each read counted twice"),
+        Mistake(_SYNCS_DOC + ("    return sum(e.cpu_time_total for e in prof.key_averages()\n"
+                              "               if e.key == \"aten::_local_scalar_dense\") / steps\n"),
+                "a time column"),
+        Mistake(_SYNCS_DOC + ("    reads = sum(e.count for e in prof.key_averages() if e.key == \"aten::item\")\n"
+                              "    return reads // steps\n"), "rounded down"),
+        Mistake(_SYNCS_DOC + ("    copies = [e for e in prof.key_averages() if e.key == \"aten::copy_\"]\n"
+                              "    return sum(e.count for e in copies) / steps\n"), "find it in the table"),
     ],
 ))
