@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .step import TrainStep
+from .step import TrainStep, optimizer_params
 
 DeviceLike = Union[str, torch.device]
 DtypeLike = Union[str, torch.dtype]
@@ -212,7 +212,7 @@ class MixedPrecision:
         if clip_grad_norm is not None and not clip_grad_norm > 0:
             raise ValueError(f"clip_grad_norm must be a positive number or None, got {clip_grad_norm!r}")
         if clip_grad_norm is not None and parameters is None:
-            parameters = [p for group in optimizer.param_groups for p in group["params"]]
+            parameters = optimizer_params(optimizer)
         scaler = self.scaler
         if scaler is None:
             if clip_grad_norm is not None:

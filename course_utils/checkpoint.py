@@ -23,6 +23,8 @@ from typing import Any
 
 import torch
 
+from .memory.oom import first_line
+
 FORMAT = "course_utils.Trainer/2"
 
 
@@ -122,11 +124,6 @@ def save(state: dict[str, Any], path) -> Path:
     return path
 
 
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0][:200] if text else type(exc).__name__
-
-
 def load(path, map_location=None, expected_format: str = FORMAT) -> dict[str, Any]:
     """Load a checkpoint with `weights_only=True`, or raise `CheckpointError` naming the file."""
     path = Path(path)
@@ -139,10 +136,10 @@ def load(path, map_location=None, expected_format: str = FORMAT) -> dict[str, An
         if "deserialize object on" in text or "device" in text.lower() and "zip" not in text.lower():
             raise CheckpointError(f"checkpoint '{path}' holds tensors that cannot be mapped to "
                                   f"{map_location or 'the devices they were saved from'} on this machine "
-                                  f"({type(exc).__name__}: {_first_line(exc)}); pass map_location='cpu' "
+                                  f"({first_line(exc)[:200]}); pass map_location='cpu' "
                                   "or the device you train on") from None
         raise CheckpointError(f"checkpoint '{path}' is truncated or corrupt and cannot be loaded "
-                              f"({type(exc).__name__}: {_first_line(exc)})") from None
+                              f"({first_line(exc)[:200]})") from None
     if not isinstance(state, dict) or state.get("format") != expected_format:
         found = state.get("format") if isinstance(state, dict) else None
         extra = f" (format {found!r}, expected {expected_format!r})" if isinstance(found, str) else ""

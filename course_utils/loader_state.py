@@ -97,18 +97,24 @@ class LoaderState:
     def _record_start(self) -> dict[str, Any] | None:
         if self.kind != "dataloader":
             return None
-        return {"rng": rng_state(), "generators": [generator_state(g) for g in _generators(self.loader)]}
+        return {"rng": rng_state(), "generators": self._generator_states()}
 
     def _restore_start(self, start: dict[str, Any] | None) -> None:
         if start is None:
             return
-        gens = _generators(self.loader)
-        if len(gens) != len(start["generators"]):
-            raise ValueError(f"cannot resume: the checkpoint's loader had {len(start['generators'])} generator(s) "
-                             f"(loader or sampler), this one has {len(gens)}: build it the same way")
+        self._set_generators(start["generators"])
         set_rng_state(start["rng"])
-        for g, s in zip(gens, start["generators"]):
-            set_generator_state(g, s)
+
+    def _generator_states(self) -> list[bytes]:
+        return [generator_state(g) for g in _generators(self.loader)]
+
+    def _set_generators(self, states: list) -> None:
+        gens = _generators(self.loader)
+        if len(gens) != len(states):
+            raise ValueError(f"cannot resume: the checkpoint's loader had {len(states)} generator(s) (loader or "
+                             f"sampler), this one has {len(gens)}: build it the same way")
+        for g, state in zip(gens, states):
+            set_generator_state(g, state)
 
     def caveat(self) -> str | None:
         """Why this loader's position cannot be saved exactly, or None when it can."""
@@ -136,8 +142,7 @@ class LoaderState:
         if self.kind == "stateful":  # the loader's own state knows whether it is inside an epoch
             return {"kind": self.kind, "state": self.loader.state_dict()}
         if batches_done is None:  # between epochs: the next epoch's order depends on the generators' state now
-            gens = _generators(self.loader) if self.kind == "dataloader" else []
-            return {"kind": self.kind, "generators": [generator_state(g) for g in gens]}
+            return {"kind": self.kind, "generators": self._generator_states() if self.kind == "dataloader" else []}
         return {"kind": self.kind, "batches_done": batches_done, "epoch_start": self._epoch_start}
 
     def warn_if_inexact(self) -> None:
@@ -154,12 +159,8 @@ class LoaderState:
             raise ValueError(f"cannot resume: the checkpoint was saved with a loader of kind {found!r}, "
                              f"this trainer's loader ({type(self.loader).__name__}) is of kind {self.kind!r}")
         if "generators" in state:
-            gens = _generators(self.loader)
-            if len(gens) != len(state["generators"]):
-                raise ValueError(f"cannot resume: the checkpoint's loader had {len(state['generators'])} "
-                                 f"generator(s) (loader or sampler), this one has {len(gens)}: build it the same way")
-            for g, s in zip(gens, state["generators"]):
-                set_generator_state(g, s)
+            if self.kind == "dataloader":  # only a DataLoader's order hangs on generators of its own
+                self._set_generators(state["generators"])
             self._pending = None
         else:
             self._pending = state

@@ -54,7 +54,7 @@ def forward(model: nn.Module, inputs):
 
 
 def optimizer_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
-    """The parameters `optimizer` updates: the ones to clip."""
+    """The parameters `optimizer` updates, group by group: the ones to clip."""
     return [p for group in optimizer.param_groups for p in group["params"]]
 
 
@@ -109,10 +109,7 @@ class TrainStep:
         self.optimizer.zero_grad(set_to_none=True)
         if chunk_size is None and len(batches) == 1:  # the usual step: one whole batch, nothing to weigh
             inputs, targets = batches[0]
-            with self.precision.autocast():
-                loss = self.loss_fn(forward(self.model, inputs), targets)
-            self.precision.backward(loss)
-            losses = [loss.detach()]
+            losses = [self._backward(inputs, targets, 1, 1)]
         else:
             losses = self._weighted(batches, chunk_size)
         if self.after_backward is not None:
@@ -162,6 +159,13 @@ class TrainStep:
             self.before_optimizer_step()
         self.precision.step(self.optimizer)
         self.in_optimizer_step = False
+
+    def state_dict(self) -> dict:
+        """Nothing to save: a TrainStep keeps no state between steps (`ResilientStep` keeps its chunk size)."""
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
 
     def __repr__(self) -> str:
         return f"TrainStep(precision={self.precision!r}, grad_clip={self.grad_clip})"

@@ -79,6 +79,10 @@ class _DeferInterrupt:
         return False
 
 
+def _reason(stop: StopTraining) -> str:
+    return str(stop) or "a callback raised StopTraining"
+
+
 def _precision(mixed_precision, device: torch.device) -> MixedPrecision:
     if isinstance(mixed_precision, MixedPrecision):
         return mixed_precision
@@ -239,7 +243,7 @@ class Trainer:
             # land inside a step: its gradients are dropped, finished steps are kept.
             self.optimizer.zero_grad(set_to_none=True)
             if isinstance(exc, StopTraining):
-                self.stop_reason = str(exc) or "a callback raised StopTraining"
+                self.stop_reason = _reason(exc)
             loss_sum, samples = self._global_sums()
             self.position = EpochPosition(self.batch_in_epoch, samples, loss_sum, ckpt.rng_state(),
                                           self._loader.state_dict(self.batch_in_epoch))
@@ -316,7 +320,7 @@ class Trainer:
                     try:
                         self._emit(hooks["on_epoch_end"], logs)
                     except StopTraining as exc:
-                        self.stop_reason = str(exc) or "a callback raised StopTraining"
+                        self.stop_reason = _reason(exc)
                         if self.is_main:
                             print(f"Training stopped after epoch {self.epoch}: {self.stop_reason}.")
                         break
@@ -386,7 +390,7 @@ class Trainer:
             "model": self.model.state_dict(),
             "optimizer": self.optimizer.state_dict(),
             "precision": self.precision.state_dict(),
-            "step": self.step.state_dict() if hasattr(self.step, "state_dict") else {},
+            "step": self.step.state_dict(),
             "callbacks": [{"class": type(cb).__name__, "state": cb.state_dict()} for cb in self.callbacks],
             "epoch": self.epoch,
             "batches_trained": self.batches_trained,
@@ -404,8 +408,7 @@ class Trainer:
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.precision.load_state_dict(state["precision"])
-        if hasattr(self.step, "load_state_dict"):
-            self.step.load_state_dict(state["step"])
+        self.step.load_state_dict(state["step"])
         self._load_callbacks(state["callbacks"])
         self.epoch = state["epoch"]
         self.batches_trained = state["batches_trained"]

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ..step import batch_len
 from .estimate import MemoryEstimate, estimate_training_memory
 from .simulated import active_simulated_gpu
 from .sizes import format_bytes
@@ -72,8 +73,7 @@ def check_fits(model: nn.Module, optimizer: torch.optim.Optimizer, batch, loss_f
         return None
     needed = estimate.total - estimate.parameters - estimate.batch
     inputs = batch[0] if isinstance(batch, (tuple, list)) else batch
-    size = len(inputs[0]) if isinstance(inputs, (tuple, list)) else len(inputs)
-    return FitCheck(needed, free[0], free[1], estimate, size)
+    return FitCheck(needed, free[0], free[1], estimate, batch_len(inputs))
 
 
 def warn_if_too_big(check: FitCheck | None, remedy: str) -> None:

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from ..amp import MixedPrecision
-from ..step import Batch, TrainStep, batch_len
+from ..step import Batch, TrainStep, batch_len, optimizer_params
 from .oom import first_line, free_memory, is_oom_error
 from .sizes import format_bytes
 
@@ -155,7 +155,7 @@ class ResilientStep:
     def _step_oom_message(self, exc: BaseException, first_step: bool) -> str:
         opt = self.optimizer
         name = type(opt).__name__
-        params = sum(p.numel() * p.element_size() for g in opt.param_groups for p in g["params"])
+        params = sum(p.numel() * p.element_size() for p in optimizer_params(opt))
         cause = (f"out of memory in the optimizer step ({name}). Smaller chunks cannot help: they only shrink "
                  "activations, not the parameters, gradients and optimizer state the step works on. ")
         if first_step:

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from ..step import optimizer_params
 from .sizes import CUDA_BLOCK_BYTES, BytesLike, _round_up, format_bytes, parse_bytes
 
 __all__ = [
@@ -268,12 +269,6 @@ def _state_tensors(optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
             todo.extend(v.values())
         elif isinstance(v, (list, tuple)):
             todo.extend(v)
-
-
-def optimizer_params(optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
-    """Every parameter `optimizer` updates, group by group (a parameter in two groups comes twice)."""
-    for group in optimizer.param_groups:
-        yield from group["params"]
 
 
 
