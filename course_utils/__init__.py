@@ -6,7 +6,8 @@ Importing this package starts no threads, initialises no GPU and prints nothing.
 """
 from .device import get_device
 from .environment import describe_environment
+from .i18n import get_language, set_language
 from .trainer import Callback, Trainer
 
-__all__ = ["get_device", "describe_environment", "Trainer", "Callback"]
+__all__ = ["get_device", "describe_environment", "Trainer", "Callback", "set_language", "get_language"]
 __version__ = "0.1.0"

@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 from course_utils.exercises import CORRECT, INCORRECT, NOT_ATTEMPTED, evaluate, load_all
 from course_utils.exercises.solve import exercise_cells, solve_notebook
+from course_utils.i18n import N_, _, speaking
 
 import nbformat
 
@@ -80,6 +81,35 @@ def test_common_mistakes_get_their_feedback(ex_id):
         result = evaluate(ex_id, run(ex, mistake.code))
         assert result.status == INCORRECT, (mistake.code, result)
         assert mistake.feedback in result.message, (mistake.code, result.message)
+
+
+CJK = __import__("re").compile(r"[\u4e00-\u9fff]")
+
+
+@pytest.mark.parametrize("ex_id", IDS)
+def test_feedback_hints_and_title_are_translated(ex_id):
+    """In Chinese the same answers get the same verdicts, told in Chinese: every mistake, the solution's remark,
+    the not-attempted message, each hint and the title."""
+    ex = REGISTRY[ex_id]
+    with speaking("zh-CN"):
+        assert CJK.search(_(ex.title)), f"{ex_id}: title {ex.title!r} has no Chinese translation"
+        for h in ex.hints:
+            assert CJK.search(_(h)), f"{ex_id}: hint {h[:60]!r} has no Chinese translation"
+        for code, expected in [(m.code, INCORRECT) for m in ex.mistakes] + [(ex.solution, CORRECT),
+                                                                              (ex.blank, NOT_ATTEMPTED)]:
+            answer = run(ex, code)
+            zh = evaluate(ex_id, answer)
+            assert zh.status == expected, (code, zh)
+            assert CJK.search(zh.message), f"{ex_id}: feedback not translated: {zh.message!r}"
+    english = evaluate(ex_id, run(ex, ex.mistakes[0].code))
+    assert not CJK.search(english.message), "the language must go back to English after the block"
+
+
+def test_translation_keeps_placeholders_and_falls_back_to_english():
+    with speaking("zh-CN"):
+        assert _(N_("well done")) == "做得好"
+        assert _("a message no catalog has") == "a message no catalog has"
+    assert _("well done") == "well done"
 
 
 def _raiser(exc):

@@ -19,6 +19,8 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from ..i18n import N_, _
+
 NOT_ATTEMPTED, CORRECT, INCORRECT = "not attempted", "correct", "incorrect"
 
 
@@ -84,10 +86,10 @@ def call(fn, *args, name: str | None = None, check_mutation: bool = True, **kwar
     NotImplementedError means the blank is still there; any other exception becomes an Incorrect that
     names the call; changing an argument in place is reported too (the caller's data would be altered).
     """
-    label = name or getattr(fn, "__name__", "your function")
+    label = name or getattr(fn, "__name__", None) or _("your function")
     if not callable(fn):
-        raise Incorrect(f"expected something callable (a function or an object with __call__), "
-                        f"got {describe(fn)}")
+        raise Incorrect(_("expected something callable (a function or an object with __call__), "
+                          "got {value}").format(value=describe(fn)))
     before = [_snapshot(a) for a in args] if check_mutation else None
     try:
         out = fn(*args, **kwargs)
@@ -96,13 +98,13 @@ def call(fn, *args, name: str | None = None, check_mutation: bool = True, **kwar
     except (AnswerTimeout, KeyboardInterrupt):
         raise
     except Exception as exc:  # the learner's code raised: say where, not a traceback
-        raise Incorrect(f"calling {label}({', '.join(_short(a) for a in args)}) raised "
-                        f"{type(exc).__name__}: {exc}") from None
+        raise Incorrect(_("calling {call} raised {error}: {message}").format(
+            call=f"{label}({', '.join(_short(a) for a in args)})", error=type(exc).__name__, message=exc)) from None
     if check_mutation:
         for i, (a, b) in enumerate(zip(args, before)):
             if b is not None and not _same(a, b):
-                raise Incorrect(f"{label} changed its argument {i + 1} ({_short(b)}) in place; "
-                                "return a new value and leave the input as it was")
+                raise Incorrect(_("{label} changed its argument {number} ({value}) in place; return a new value "
+                                  "and leave the input as it was").format(label=label, number=i + 1, value=_short(b)))
     return out
 
 
@@ -111,13 +113,14 @@ def describe(value) -> str:
     try:
         import torch
         if isinstance(value, torch.Tensor):
-            return f"a tensor of shape {tuple(value.shape)}, dtype {value.dtype}, on {value.device}"
+            return _("a tensor of shape {shape}, dtype {dtype}, on {device}").format(
+                shape=tuple(value.shape), dtype=value.dtype, device=value.device)
     except ImportError:  # pragma: no cover
         pass
     if value is None:
-        return "None (did you forget a `return`?)"
+        return _("None (did you forget a `return`?)")
     if value is ...:
-        return "... (the blank)"
+        return _("... (the blank)")
     return f"{type(value).__name__} {_short(value)}"
 
 
@@ -187,7 +190,7 @@ def get(exercise_id: str) -> Exercise:
         return REGISTRY[exercise_id]
     except KeyError:
         known = ", ".join(sorted(REGISTRY)) or "none"
-        raise KeyError(f"no exercise {exercise_id!r}; known exercises: {known}") from None
+        raise KeyError(_("no exercise {id!r}; known exercises: {known}").format(id=exercise_id, known=known)) from None
 
 
 def evaluate(exercise_id: str, answer, timeout: float | None = None) -> Result:
@@ -197,36 +200,38 @@ def evaluate(exercise_id: str, answer, timeout: float | None = None) -> Result:
     except KeyError as exc:
         return Result(INCORRECT, str(exc.args[0]))
     if answer is ...:
-        return Result(NOT_ATTEMPTED, "replace the `...` (or the `raise NotImplementedError`) with your answer, "
-                                     "then run the cell again")
+        return Result(NOT_ATTEMPTED, _("replace the `...` (or the `raise NotImplementedError`) with your answer, "
+                                       "then run the cell again"))
     seconds = ex.timeout if timeout is None else timeout
     try:
         with _Deadline(seconds):
             remark = ex.checker(answer)
     except NotAttempted:
-        return Result(NOT_ATTEMPTED, "your code still raises NotImplementedError: replace that line with your "
-                                     "answer, then run the cell again")
+        return Result(NOT_ATTEMPTED, _("your code still raises NotImplementedError: replace that line with your "
+                                       "answer, then run the cell again"))
     except Incorrect as exc:
         return Result(INCORRECT, str(exc))
     except AnswerTimeout:
-        return Result(INCORRECT, f"your answer took longer than {seconds:g} s, so the check stopped it; look for "
-                                 "a loop that never ends or work repeated far too often")
+        return Result(INCORRECT, _("your answer took longer than {seconds:g} s, so the check stopped it; look for "
+                                   "a loop that never ends or work repeated far too often").format(seconds=seconds))
     except RecursionError:
-        return Result(INCORRECT, "your answer recursed without end (RecursionError): does a method call itself?")
+        return Result(INCORRECT, _("your answer recursed without end (RecursionError): does a method call itself?"))
     except Exception as exc:  # the answer broke an assumption of the checker (wrong type, odd object...)
         where = traceback.extract_tb(exc.__traceback__)[-1]
-        return Result(INCORRECT, f"checking your answer failed with {type(exc).__name__}: {exc} "
-                                 f"(your answer is {describe(answer)}; line {where.lineno} of the checker)")
-    return Result(CORRECT, remark or "well done")
+        return Result(INCORRECT, _("checking your answer failed with {error}: {message} (your answer is {answer}; "
+                                   "line {line} of the checker)").format(error=type(exc).__name__, message=exc,
+                                                                         answer=describe(answer), line=where.lineno))
+    return Result(CORRECT, remark or _("well done"))
 
 
-_ICONS = {CORRECT: "[correct]", INCORRECT: "[not yet]", NOT_ATTEMPTED: "[not attempted yet]"}
+_ICONS = {CORRECT: N_("[correct]"), INCORRECT: N_("[not yet]"), NOT_ATTEMPTED: N_("[not attempted yet]")}
 
 
 def check(exercise_id: str, answer) -> None:
     """Check your answer to an exercise and print feedback. Never raises."""
     result = evaluate(exercise_id, answer)
-    print(f"Exercise {exercise_id} {_ICONS[result.status]} {result.message}")
+    print(_("Exercise {id} {status} {message}").format(id=exercise_id, status=_(_ICONS[result.status]),
+                                                       message=result.message))
 
 
 def hint(exercise_id: str) -> None:
@@ -237,13 +242,14 @@ def hint(exercise_id: str) -> None:
         print(exc.args[0])
         return
     if not ex.hints:
-        print(f"Exercise {exercise_id}: no hints for this one; try solution({exercise_id!r}).")
+        print(_("Exercise {id}: no hints for this one; try solution({id!r}).").format(id=exercise_id))
         return
     k = _hints_shown.get(exercise_id, 0)
     shown = min(k, len(ex.hints) - 1)
     _hints_shown[exercise_id] = k + 1
-    more = " (that was the last hint)" if shown == len(ex.hints) - 1 else ""
-    print(f"Hint {shown + 1}/{len(ex.hints)} for {exercise_id}: {ex.hints[shown]}{more}")
+    more = _(" (that was the last hint)") if shown == len(ex.hints) - 1 else ""
+    print(_("Hint {number}/{total} for {id}: {hint}").format(number=shown + 1, total=len(ex.hints), id=exercise_id,
+                                                              hint=_(ex.hints[shown])) + more)
 
 
 def solution(exercise_id: str) -> None:
@@ -253,4 +259,4 @@ def solution(exercise_id: str) -> None:
     except KeyError as exc:
         print(exc.args[0])
         return
-    print(f"Reference solution for {exercise_id} ({ex.title}):\n\n{ex.solution}")
+    print(_("Reference solution for {id} ({title}):").format(id=exercise_id, title=_(ex.title)) + "\n\n" + _(ex.solution))

@@ -1,0 +1,151 @@
+"""The language course_utils speaks: English (the default) or Simplified Chinese.
+
+    from course_utils import set_language
+    set_language("zh-CN")        # feedback, diagnoses, warnings and monitor labels in Chinese
+
+The choice is per kernel (per Python process) and is inherited by processes started from it through the
+environment variable `COURSE_UTILS_LANG`, which also sets it before the first import. The code behaves
+identically in both languages: only the text changes.
+
+Translations are gettext PO catalogs, one per source module, in `course_utils/locale/zh_CN/` (edited with
+any PO editor, read here through `polib`). In the source, a message is written `_("text {name}")` and
+formatted after translation (`.format(name=...)`), never as an f-string, so the catalog can hold the
+template; `N_("text")` marks a message kept in a data structure and translated where it is shown.
+
+For plots, `set_language("zh-CN")` also points matplotlib at a CJK font (Noto Sans CJK, Source Han Sans,
+WenQuanYi, PingFang, Microsoft YaHei, ...). Without one, Chinese labels would be drawn as empty boxes: it
+says so in one line and `plot_label_language()` returns "en", so labels fall back to English.
+"""
+from __future__ import annotations
+
+import os
+from contextlib import contextmanager
+from functools import lru_cache
+from pathlib import Path
+
+__all__ = ["LANGUAGES", "N_", "_", "cjk_font", "get_language", "plot_label_language", "set_language",
+           "speaking"]
+
+LANGUAGES = ("en", "zh-CN")
+ENV_VAR = "COURSE_UTILS_LANG"
+LOCALE_DIR = Path(__file__).with_name("locale")
+# Font families that cover Simplified Chinese, most common first: Debian/Ubuntu, Adobe, Linux, macOS, Windows.
+CJK_FONTS = ("Noto Sans CJK SC", "Noto Sans SC", "Source Han Sans SC", "WenQuanYi Zen Hei", "WenQuanYi Micro Hei",
+             "PingFang SC", "Hiragino Sans GB", "Heiti SC", "STHeiti", "Microsoft YaHei", "SimHei",
+             "Noto Sans CJK JP", "Arial Unicode MS")
+
+
+def _normalize(language: str | None) -> str:
+    if not language:
+        return "en"
+    key = language.strip().replace("_", "-").lower()
+    if key in ("en", "en-us", "en-gb", "english", "c", "posix"):
+        return "en"
+    if key in ("zh", "zh-cn", "zh-hans", "zh-hans-cn", "zh-sg", "chinese"):
+        return "zh-CN"
+    raise ValueError(f"unknown language {language!r}; course_utils speaks {', '.join(LANGUAGES)}")
+
+
+_language = "en"
+try:
+    _language = _normalize(os.environ.get(ENV_VAR))
+except ValueError:  # a bad environment value must not break `import course_utils`: stay English
+    pass
+
+
+def get_language() -> str:
+    """The language messages are shown in: "en" or "zh-CN"."""
+    return _language
+
+
+def set_language(language: str) -> str:
+    """Show course_utils' messages in `language` ("en" or "zh-CN"; "zh", "zh_CN" work too) from now on,
+    in this process and the processes it starts. For "zh-CN" it also sets up a CJK font for plots
+    (see `plot_label_language`). Returns the normalized language."""
+    global _language
+    _language = _normalize(language)
+    os.environ[ENV_VAR] = _language
+    if _language != "en":
+        _catalog(_language)  # read the catalog now: a broken PO file is reported here, not mid-training
+        if cjk_font() is None:
+            print(_("No Chinese (CJK) font was found for matplotlib, so plots keep English labels; install one "
+                    "(Debian/Ubuntu: apt install fonts-noto-cjk) and restart the kernel to see Chinese labels."))
+    return _language
+
+
+@contextmanager
+def speaking(language: str):
+    """`with speaking("zh-CN"):` messages in that language inside the block, the previous one after it."""
+    global _language
+    previous, previous_env = _language, os.environ.get(ENV_VAR)
+    _language = _normalize(language)
+    if _language != "en":
+        _catalog(_language)
+    try:
+        yield _language
+    finally:
+        _language = previous
+        if previous_env is None:
+            os.environ.pop(ENV_VAR, None)
+        else:
+            os.environ[ENV_VAR] = previous_env
+
+
+@lru_cache(maxsize=None)
+def _catalog(language: str) -> dict[str, str]:
+    """msgid -> msgstr for every translated, non-fuzzy entry of every PO file of `language`."""
+    import polib
+
+    folder = LOCALE_DIR / language.replace("-", "_")
+    table: dict[str, str] = {}
+    for path in sorted(folder.glob("*.po")):
+        try:
+            po = polib.pofile(str(path))
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"the translation catalog {path} cannot be read: {exc}") from None
+        for entry in po.translated_entries():
+            table.setdefault(entry.msgid, entry.msgstr)
+    return table
+
+
+def _(message: str) -> str:
+    """`message` in the current language (itself when English, or when the catalog has no translation)."""
+    if _language == "en":
+        return message
+    return _catalog(_language).get(message, message)
+
+
+def N_(message: str) -> str:
+    """Mark `message` for the catalog without translating it now (it is translated where it is shown)."""
+    return message
+
+
+@lru_cache(maxsize=1)
+def cjk_font() -> str | None:
+    """The name of a font matplotlib can draw Chinese with, registered and first in its sans-serif list;
+    None when the machine has none. Looks only once per process."""
+    from matplotlib import font_manager, rcParams
+
+    names = {f.name for f in font_manager.fontManager.ttflist}
+    found = next((n for n in CJK_FONTS if n in names), None)
+    if found is None:  # matplotlib's font cache may predate the font's installation: look at the files
+        for path in font_manager.findSystemFonts():
+            stem = Path(path).name.lower()
+            if any(k in stem for k in ("cjk", "sourcehansans", "wqy", "pingfang", "msyh", "simhei", "notosanssc")):
+                try:
+                    font_manager.fontManager.addfont(path)
+                except Exception:  # an unreadable font file: try the next one
+                    continue
+        names = {f.name for f in font_manager.fontManager.ttflist}
+        found = next((n for n in CJK_FONTS if n in names), None)
+    if found is not None:
+        rcParams["font.sans-serif"] = [found] + [n for n in rcParams["font.sans-serif"] if n != found]
+        rcParams["axes.unicode_minus"] = False  # CJK fonts often lack U+2212, the minus sign matplotlib uses
+    return found
+
+
+def plot_label_language() -> str:
+    """The language plot labels should use: the current language if it can be drawn, else "en"."""
+    if _language == "en" or cjk_font() is not None:
+        return _language
+    return "en"

@@ -1,0 +1,535 @@
+"""The Chinese edition of the notebooks, generated from the English ones and gettext PO catalogs.
+
+    python -m course_utils.translate update   # new or changed English text -> entries in the catalogs
+    python -m course_utils.translate check    # every unit translated and current? exit 1 and say which if not
+    python -m course_utils.translate build    # notebooks/zh-CN/NN_*.ipynb from the English ones (no outputs)
+
+The English notebooks are the source. Each notebook has a catalog, `notebooks/locale/zh_CN/NN_name.po`, with one
+entry per unit a learner reads:
+
+* a markdown cell (msgctxt: the cell id; msgid: the whole cell),
+* a comment in a code cell (msgid: the comment, `#` included),
+* a string literal in a code cell that reads as text (msgid: the literal as written, prefix and quotes included;
+  f-strings whole, so a translation may move the `{...}` fields but must keep every one).
+
+Everything else in a code cell stays as it is, so the Chinese notebook runs the same code. Each entry stores the
+SHA-1 of the English text it translates (`#. source-sha1: ...`). `update` keeps translations whose English text is
+unchanged; a markdown cell whose text changed keeps its old translation marked fuzzy (stale), with the previous
+English beside it (`#| msgid`), as `msgmerge` does; units that left the notebook are dropped. `check` reports
+missing, stale and malformed translations and glossary mismatches (`notebooks/locale/glossary.zh-CN.csv`), naming
+the notebook and cell.
+
+The built notebooks call `course_utils.set_language("zh-CN")` in their first code cell, so `course_utils`' own
+messages (feedback, diagnoses, warnings, monitor labels) come from its catalogs (`course_utils/i18n.py`):
+
+    python -m course_utils.translate messages  # extract _("...") / N_("...") of every module (Babel) into
+                                               # course_utils/locale/zh_CN/<module>.po, keeping translations
+
+`check` covers those catalogs too: every message translated and current, the same `{fields}` in both languages.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import hashlib
+import io
+import json
+import re
+import sys
+import tokenize
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = ["LANGUAGE", "Problem", "Unit", "build_notebook", "catalog_path", "check", "code_units", "glossary",
+           "load_glossary", "main", "notebook_units", "translate_notebook", "update_catalog"]
+
+LANGUAGE = "zh-CN"
+NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
+FIRST_CELL_LINES = ('from course_utils import set_language\n'
+                    'set_language("zh-CN")  # 课程工具包 course_utils 的提示、诊断与反馈均以中文显示\n')
+_CJK = re.compile(r"[\u3400-\u9fff]")
+_PROSE = re.compile(r"[A-Za-z]{2,}[^\S\n]+[A-Za-z(\[`'\"]")  # two or more words: a phrase, not an identifier
+_DIRECTIVE = re.compile(r"#\s*(NBVAL_|noqa|type:|fmt:|pragma|%%|-\*-|!)")
+
+
+@dataclass(frozen=True)
+class Unit:
+    """One piece of text a learner reads: a markdown cell, or a comment or string literal of a code cell."""
+    cell_id: str
+    kind: str            # "markdown", "comment" or "string"
+    text: str            # the English text exactly as in the notebook
+    start: int = 0       # offsets of `text` in the cell's source (code units)
+    end: int = 0
+    line: str = ""       # the code line it sits on (context for the translator)
+
+    @property
+    def sha1(self) -> str:
+        return hashlib.sha1(self.text.encode()).hexdigest()
+
+
+@dataclass(frozen=True)
+class Problem:
+    notebook: str
+    cell_id: str
+    kind: str            # "missing", "stale", "malformed", "glossary"
+    detail: str
+
+    def __str__(self) -> str:
+        return f"{self.notebook} cell {self.cell_id}: {self.kind}: {self.detail}"
+
+
+# --- units -----------------------------------------------------------------------------------------------------
+
+def _masked(source: str) -> str:
+    """The cell source with IPython magics and shell lines blanked (same length), so tokenize can read it."""
+    lines = source.splitlines(keepends=True)
+    out = []
+    for line in lines:
+        stripped = line.lstrip()
+        if stripped.startswith(("%", "!")):
+            body = line.rstrip("\n")
+            out.append(" " * len(body) + line[len(body):])
+        else:
+            out.append(line)
+    return "".join(out)
+
+
+def code_units(cell_id: str, source: str) -> list[Unit]:
+    """The comments and text-like string literals of a code cell, in order."""
+    offsets = [0]
+    for line in source.splitlines(keepends=True):
+        offsets.append(offsets[-1] + len(line))
+
+    def at(pos):
+        return offsets[pos[0] - 1] + pos[1]
+
+    units: list[Unit] = []
+    fstring_start = None
+    try:
+        tokens = list(tokenize.generate_tokens(io.StringIO(_masked(source)).readline))
+    except (tokenize.TokenError, SyntaxError, IndentationError):
+        return units
+    lines = source.splitlines()
+    for tok in tokens:
+        name = tokenize.tok_name[tok.type]
+        if name == "FSTRING_START":  # Python 3.12+ splits f-strings: keep them whole
+            fstring_start = fstring_start or tok.start
+            continue
+        if name == "FSTRING_END":
+            start, end = at(fstring_start), at(tok.end)
+            fstring_start = None
+            text = source[start:end]
+        elif fstring_start is not None:
+            continue
+        elif tok.type == tokenize.COMMENT:
+            if _DIRECTIVE.match(tok.string) or not re.search(r"[A-Za-z]{2,}", tok.string):
+                continue
+            start, end, text = at(tok.start), at(tok.end), tok.string
+        elif tok.type == tokenize.STRING:
+            start, end, text = at(tok.start), at(tok.end), tok.string
+        else:
+            continue
+        if tok.type != tokenize.COMMENT and not _PROSE.search(_string_body(text)):
+            continue
+        units.append(Unit(cell_id, "comment" if text.startswith("#") else "string", text, start, end,
+                          lines[tok.start[0] - 1].strip() if tok.start[0] <= len(lines) else ""))
+    return units
+
+
+def _string_body(literal: str) -> str:
+    """The text of a string literal without its prefix, quotes and {fields}."""
+    body = re.sub(r"^[A-Za-z]*('''|\"\"\"|'|\")", "", literal)
+    body = re.sub(r"('''|\"\"\"|'|\")$", "", body)
+    return re.sub(r"\{[^{}]*\}", " ", body)
+
+
+def _fields(literal: str) -> list[str]:
+    """The replacement fields of an f-string (sorted); [] for a plain literal."""
+    prefix = re.match(r"^[A-Za-z]*", literal).group(0).lower()
+    if "f" not in prefix:
+        return []
+    return sorted(re.findall(r"(?<!\{)\{(?!\{)([^{}]*)\}", literal))
+
+
+def notebook_units(nb: dict) -> list[Unit]:
+    units = []
+    for cell in nb["cells"]:
+        source = _source(cell)
+        if not source.strip():
+            continue
+        if cell["cell_type"] == "markdown":
+            units.append(Unit(cell["id"], "markdown", source))
+        elif cell["cell_type"] == "code":
+            units.extend(code_units(cell["id"], source))
+    return units
+
+
+def _source(cell) -> str:
+    src = cell["source"]
+    return src if isinstance(src, str) else "".join(src)
+
+
+# --- catalogs --------------------------------------------------------------------------------------------------
+
+def catalog_path(notebook: Path) -> Path:
+    return notebook.parent / "locale" / LANGUAGE.replace("-", "_") / (notebook.stem + ".po")
+
+
+def _new_catalog(notebook: Path):
+    import polib
+
+    po = polib.POFile(wrapwidth=0)
+    po.metadata = {
+        "Project-Id-Version": f"course_utils notebooks: {notebook.name}",
+        "Language": LANGUAGE.replace("-", "_"),
+        "MIME-Version": "1.0",
+        "Content-Type": "text/plain; charset=UTF-8",
+        "Content-Transfer-Encoding": "8bit",
+    }
+    return po
+
+
+def _sha_comment(unit: Unit) -> str:
+    extra = f"\ncode: {unit.line}" if unit.kind != "markdown" else ""
+    return f"source-sha1: {unit.sha1}\nkind: {unit.kind}{extra}"
+
+
+def update_catalog(notebook: Path) -> tuple[int, int, int]:
+    """Bring the notebook's catalog up to date with its English text. Returns (new, stale, dropped) counts."""
+    import polib
+
+    nb = json.loads(notebook.read_text(encoding="utf-8"))
+    path = catalog_path(notebook)
+    old = polib.pofile(str(path), wrapwidth=0) if path.exists() else _new_catalog(notebook)
+    by_key = {(e.msgctxt, e.msgid): e for e in old if not e.obsolete}
+    by_cell = {}
+    for e in old:
+        if not e.obsolete and "kind: markdown" in e.comment:
+            by_cell.setdefault(e.msgctxt, e)
+    po = _new_catalog(notebook)
+    po.metadata = old.metadata or po.metadata
+    new = stale = 0
+    used = set()
+    for unit in notebook_units(nb):
+        key = (unit.cell_id, unit.text)
+        if key in used:
+            continue
+        used.add(key)
+        entry = by_key.get(key)
+        if entry is None and unit.kind == "markdown" and unit.cell_id in by_cell:
+            prev = by_cell[unit.cell_id]
+            entry = polib.POEntry(msgctxt=unit.cell_id, msgid=unit.text, msgstr=prev.msgstr,
+                                  previous_msgid=prev.previous_msgid or prev.msgid, flags=["fuzzy"])
+            stale += 1
+        elif entry is None:
+            entry = polib.POEntry(msgctxt=unit.cell_id, msgid=unit.text, msgstr="")
+            new += 1
+        entry.comment = _sha_comment(unit)
+        entry.occurrences = [(notebook.name, unit.cell_id)]
+        po.append(entry)
+    dropped = len(by_key) - len([k for k in by_key if k in used])
+    path.parent.mkdir(parents=True, exist_ok=True)
+    po.save(str(path))
+    return new, stale, dropped
+
+
+def _load_catalog(notebook: Path):
+    import polib
+
+    path = catalog_path(notebook)
+    if not path.exists():
+        return None
+    return polib.pofile(str(path), wrapwidth=0)
+
+
+# --- glossary --------------------------------------------------------------------------------------------------
+
+def glossary_path() -> Path:
+    return NOTEBOOKS / "locale" / f"glossary.{LANGUAGE}.csv"
+
+
+def load_glossary(path: Path | None = None) -> list[tuple[re.Pattern, list[str], str]]:
+    """(English pattern, accepted Chinese renderings, the English term) for every glossary row."""
+    rows = []
+    with open(path or glossary_path(), encoding="utf-8", newline="") as f:
+        for row in csv.DictReader(f):
+            english = row["english"].strip()
+            pattern = re.compile(r"(?<![\w-])" + re.escape(english).replace(r"\ ", r"[\s-]+") + r"s?(?![\w-])",
+                                 re.IGNORECASE)
+            rows.append((pattern, [z.strip() for z in row["chinese"].split("|")], english))
+    return rows
+
+
+def glossary(msgid: str, msgstr: str, rows=None) -> list[str]:
+    """The glossary terms `msgid` uses whose Chinese rendering `msgstr` lacks."""
+    rows = load_glossary() if rows is None else rows
+    english = re.sub(r"`[^`]*`|\$[^$]*\$|https?://\S+|\([^)]*\.(ipynb|md|py)[^)]*\)", " ", msgid)
+    return [term for pattern, chinese, term in rows
+            if pattern.search(english) and not any(z in msgstr for z in chinese) and
+            not pattern.search(msgstr)]  # the English term kept beside the Chinese counts (e.g. a code name)
+
+
+# --- checking --------------------------------------------------------------------------------------------------
+
+def _malformed(unit: Unit, msgstr: str) -> str | None:
+    """Why `msgstr` cannot stand in for `unit` in the code, or None."""
+    if unit.kind == "markdown":
+        fences = msgstr.count("```"), unit.text.count("```")
+        if fences[0] != fences[1]:
+            return f"the translation has {fences[0]} ``` fences, the English {fences[1]}"
+        return None
+    if unit.kind == "comment":
+        if not msgstr.startswith("#") or "\n" in msgstr:
+            return "a comment's translation must be one line starting with #"
+        return None
+    try:
+        toks = [t for t in tokenize.generate_tokens(io.StringIO(msgstr).readline)
+                if t.type not in (tokenize.NEWLINE, tokenize.NL, tokenize.ENDMARKER)]
+    except (tokenize.TokenError, SyntaxError) as exc:
+        return f"the translation is not a string literal ({exc})"
+    names = [tokenize.tok_name[t.type] for t in toks]
+    if not (names == ["STRING"] or (names and names[0] == "FSTRING_START" and names[-1] == "FSTRING_END")):
+        return "the translation must be one string literal, quotes included, like the English"
+    prefix = re.match(r"^[A-Za-z]*", unit.text).group(0).lower()
+    if re.match(r"^[A-Za-z]*", msgstr).group(0).lower() != prefix:
+        return f"the string prefix must stay {prefix!r}"
+    if _fields(unit.text) != _fields(msgstr):
+        return f"the f-string fields must stay the same: {_fields(unit.text)} vs {_fields(msgstr)}"
+    if "\n" in msgstr and not unit.text.startswith(("'''", '"""')) and "\n" not in unit.text:
+        return "a one-line string's translation must stay on one line"
+    return None
+
+
+def check(notebooks: list[Path] | None = None, *, with_glossary: bool = True) -> list[Problem]:
+    """Every unit of every notebook translated, current (not stale) and well-formed; glossary respected."""
+    notebooks = notebooks if notebooks is not None else sorted(NOTEBOOKS.glob("[0-9][0-9]_*.ipynb"))
+    rows = load_glossary() if with_glossary else []
+    problems: list[Problem] = []
+    for notebook in notebooks:
+        nb = json.loads(notebook.read_text(encoding="utf-8"))
+        po = _load_catalog(notebook)
+        name = notebook.name
+        if po is None:
+            problems.append(Problem(name, "-", "missing", f"no catalog {catalog_path(notebook).name}: run "
+                                                          "python -m course_utils.translate update"))
+            continue
+        entries = {(e.msgctxt, e.msgid): e for e in po if not e.obsolete}
+        by_cell = {e.msgctxt: e for e in po if not e.obsolete and "kind: markdown" in e.comment}
+        for unit in notebook_units(nb):
+            e = entries.get((unit.cell_id, unit.text))
+            first = unit.text.strip().splitlines()[0][:70]
+            if e is None:
+                if unit.kind == "markdown" and unit.cell_id in by_cell:
+                    problems.append(Problem(name, unit.cell_id, "stale", f"the English text changed since it was "
+                                                                         f"translated ({first!r}); run update"))
+                else:
+                    problems.append(Problem(name, unit.cell_id, "missing", f"{unit.kind} {first!r} is not in the "
+                                                                           f"catalog; run update"))
+                continue
+            if "fuzzy" in e.flags or f"source-sha1: {unit.sha1}" not in e.comment:
+                problems.append(Problem(name, unit.cell_id, "stale", f"{unit.kind} {first!r}: the English text "
+                                                                     "changed since it was translated"))
+                continue
+            if not e.msgstr.strip():
+                problems.append(Problem(name, unit.cell_id, "missing", f"{unit.kind} {first!r} has no translation"))
+                continue
+            why = _malformed(unit, e.msgstr)
+            if why:
+                problems.append(Problem(name, unit.cell_id, "malformed", f"{unit.kind} {first!r}: {why}"))
+            for term in glossary(unit.text, e.msgstr, rows):
+                problems.append(Problem(name, unit.cell_id, "glossary", f"{unit.kind} {first!r} uses {term!r} "
+                                                                        "but the translation lacks its "
+                                                                        "glossary rendering"))
+    return problems
+
+
+# --- course_utils' own messages --------------------------------------------------------------------------------
+
+PACKAGE = Path(__file__).resolve().parent
+KEYWORDS = {"_": None, "N_": None}
+
+
+def module_catalog_path(module: Path) -> Path:
+    """course_utils/exercises/nb01.py -> course_utils/locale/zh_CN/exercises.nb01.po"""
+    dotted = ".".join(module.relative_to(PACKAGE).with_suffix("").parts)
+    return PACKAGE / "locale" / LANGUAGE.replace("-", "_") / f"{dotted}.po"
+
+
+def module_messages(module: Path) -> list[tuple[int, str]]:
+    """(line, message) for every `_("...")` and `N_("...")` in a module, in order, once each (Babel's extractor)."""
+    from babel.messages.extract import extract_from_file
+
+    seen, out = set(), []
+    for lineno, message, _comments, _context in extract_from_file("python", str(module), keywords=KEYWORDS):
+        if isinstance(message, str) and message not in seen:
+            seen.add(message)
+            out.append((lineno, message))
+    return out
+
+
+def _modules() -> list[Path]:
+    return sorted(p for p in PACKAGE.rglob("*.py") if "locale" not in p.parts)
+
+
+def update_messages(modules: list[Path] | None = None) -> list[str]:
+    """Write each module's catalog (only modules with messages); keep existing translations. Returns reports."""
+    import polib
+
+    reports = []
+    for module in [m.resolve() for m in modules] if modules else _modules():
+        messages = module_messages(module)
+        path = module_catalog_path(module)
+        if not messages:
+            if path.exists():
+                path.unlink()
+            continue
+        old = {e.msgid: e for e in polib.pofile(str(path), wrapwidth=0)} if path.exists() else {}
+        po = _new_catalog(module)
+        po.metadata["Project-Id-Version"] = f"course_utils: {module.relative_to(PACKAGE.parent)}"
+        new = 0
+        for lineno, message in messages:
+            entry = old.get(message) or polib.POEntry(msgid=message, msgstr="")
+            new += message not in old
+            entry.occurrences = [(str(module.relative_to(PACKAGE.parent)), str(lineno))]
+            po.append(entry)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        po.save(str(path))
+        dropped = len(set(old) - {m for _, m in messages})
+        reports.append(f"{path.relative_to(PACKAGE.parent)}: {len(messages)} messages, {new} new, {dropped} dropped")
+    return reports
+
+
+_FIELD = re.compile(r"(?<!\{)\{([^{}]*)\}(?!\})")
+
+
+def check_messages(modules: list[Path] | None = None, *, with_glossary: bool = True) -> list[Problem]:
+    """Every message of every module translated in its module's catalog, with the same {fields}."""
+    import polib
+
+    rows = load_glossary() if with_glossary else []
+    problems = []
+    for module in [m.resolve() for m in modules] if modules else _modules():
+        messages = module_messages(module)
+        if not messages:
+            continue
+        path = module_catalog_path(module)
+        name = str(module.relative_to(PACKAGE.parent))
+        if not path.exists():
+            problems.append(Problem(name, "-", "missing", f"no catalog {path.name}: run python -m "
+                                                          "course_utils.translate messages"))
+            continue
+        entries = {e.msgid: e for e in polib.pofile(str(path), wrapwidth=0) if not e.obsolete}
+        for lineno, message in messages:
+            e = entries.get(message)
+            where = f"line {lineno}"
+            if e is None:
+                problems.append(Problem(name, where, "missing", f"{message[:70]!r} is not in {path.name}; run "
+                                                                "python -m course_utils.translate messages"))
+            elif "fuzzy" in e.flags:
+                problems.append(Problem(name, where, "stale", f"{message[:70]!r} is marked fuzzy"))
+            elif not e.msgstr.strip():
+                problems.append(Problem(name, where, "missing", f"{message[:70]!r} has no translation"))
+            elif sorted(_FIELD.findall(message)) != sorted(_FIELD.findall(e.msgstr)):
+                problems.append(Problem(name, where, "malformed", f"{message[:70]!r}: the {{fields}} differ: "
+                                        f"{sorted(_FIELD.findall(message))} vs {sorted(_FIELD.findall(e.msgstr))}"))
+            else:
+                for term in glossary(message, e.msgstr, rows):
+                    problems.append(Problem(name, where, "glossary", f"{message[:70]!r} uses {term!r} but the "
+                                                                     "translation lacks its glossary rendering"))
+    return problems
+
+
+# --- building --------------------------------------------------------------------------------------------------
+
+def _relink(markdown: str) -> str:
+    """Links to files outside notebooks/ gain one `../` (the edition sits one folder deeper)."""
+    return re.sub(r"(\]\()(\.\./)", r"\1../\2", markdown)
+
+
+def translate_notebook(nb: dict, po, *, strict: bool = True, source_name: str = "") -> dict:
+    """A copy of `nb` with every unit replaced by its translation. `strict`: a missing or stale translation is an
+    error; otherwise the English stays (used for the solved edition, whose solutions have no catalog entries)."""
+    import copy
+
+    table = {(e.msgctxt, e.msgid): e.msgstr for e in po
+             if not e.obsolete and e.msgstr and "fuzzy" not in e.flags} if po is not None else {}
+    out = copy.deepcopy(nb)
+    first_code = True
+    for cell in out["cells"]:
+        source = _source(cell)
+        if cell["cell_type"] == "markdown" and source.strip():
+            key = (cell["id"], source)
+            if key not in table and strict:
+                raise KeyError(f"cell {cell['id']}: no current translation")
+            cell["source"] = _relink(table.get(key, source))
+        elif cell["cell_type"] == "code":
+            for unit in reversed(code_units(cell["id"], source)):
+                key = (unit.cell_id, unit.text)
+                if key not in table:
+                    if strict:
+                        raise KeyError(f"cell {cell['id']}: no current translation of {unit.text[:60]!r}")
+                    continue
+                source = source[:unit.start] + table[key] + source[unit.end:]
+            if first_code and source.strip():
+                source = FIRST_CELL_LINES + source
+                first_code = False
+            cell["source"] = source
+    out["metadata"]["course_utils"] = {"language": LANGUAGE, "generated_from": f"../{source_name}"}
+    return out
+
+
+def build_notebook(notebook: Path, out_dir: Path | None = None, *, keep_outputs_from: Path | None = None) -> Path:
+    """Write the Chinese edition of `notebook` (sources only; outputs cleared) and return its path."""
+    nb = json.loads(notebook.read_text(encoding="utf-8"))
+    zh = translate_notebook(nb, _load_catalog(notebook), source_name=notebook.name)
+    for cell in zh["cells"]:
+        if cell["cell_type"] == "code":
+            cell["outputs"], cell["execution_count"] = [], None
+    out_dir = out_dir or notebook.parent / LANGUAGE
+    out_dir.mkdir(parents=True, exist_ok=True)
+    target = out_dir / notebook.name
+    target.write_text(json.dumps(zh, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+    return target
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m course_utils.translate", description=__doc__.split("\n\n")[0])
+    parser.add_argument("command", choices=["update", "check", "build", "messages"])
+    parser.add_argument("notebooks", nargs="*", type=Path, help="English notebooks (default: all in notebooks/)")
+    parser.add_argument("--no-glossary", action="store_true", help="check: skip the glossary test")
+    parser.add_argument("--modules", nargs="+", type=Path, help="messages/check: only these course_utils modules' catalogs")
+    args = parser.parse_args(argv)
+    notebooks = args.notebooks or sorted(NOTEBOOKS.glob("[0-9][0-9]_*.ipynb"))
+    if args.command == "update":
+        for nb in notebooks:
+            new, stale, dropped = update_catalog(nb)
+            print(f"{catalog_path(nb).relative_to(nb.parent)}: {new} new, {stale} stale, {dropped} dropped")
+        return 0
+    if args.command == "messages":
+        print("\n".join(update_messages(args.modules)))
+        return 0
+    if args.command == "check":
+        glossary_too = not args.no_glossary
+        if args.modules:
+            problems = check_messages(args.modules, with_glossary=glossary_too)
+        else:
+            problems = check(notebooks, with_glossary=glossary_too)
+            if not args.notebooks:
+                problems += check_messages(with_glossary=glossary_too)
+        for p in problems:
+            print(p)
+        print(f"{len(problems)} problem(s) in {len(notebooks)} notebook(s)")
+        return 1 if problems else 0
+    problems = [p for p in check(notebooks, with_glossary=False) if p.kind != "glossary"]
+    if problems:
+        for p in problems:
+            print(p)
+        print("not built: fix the catalogs first (python -m course_utils.translate check)", file=sys.stderr)
+        return 1
+    for nb in notebooks:
+        print(build_notebook(nb).relative_to(nb.parent.parent))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
