@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .i18n import _
 from .step import TrainStep, optimizer_params
 
 DeviceLike = Union[str, torch.device]
@@ -43,8 +44,8 @@ def _as_device(device: DeviceLike) -> torch.device:
         try:
             return torch.device(device)
         except RuntimeError as exc:
-            raise ValueError(f"{device!r} is not a device name (try 'cpu', 'cuda' or 'mps')") from exc
-    raise TypeError(f"device must be a str or torch.device, got {type(device).__name__}")
+            raise ValueError(_("{device!r} is not a device name (try 'cpu', 'cuda' or 'mps')").format(device=device)) from exc
+    raise TypeError(_("device must be a str or torch.device, got {type}").format(type=type(device).__name__))
 
 
 def choose_dtype(device: DeviceLike) -> torch.dtype:
@@ -68,8 +69,8 @@ def choose_dtype(device: DeviceLike) -> torch.dtype:
         return torch.bfloat16 if native else torch.float16
     if dev.type == "mps":
         return torch.float16
-    raise ValueError(f"no automatic mixed-precision dtype for device type {dev.type!r}; "
-                     "pass dtype=torch.bfloat16 or torch.float16 explicitly")
+    raise ValueError(_("no automatic mixed-precision dtype for device type {type!r}; "
+                       "pass dtype=torch.bfloat16 or torch.float16 explicitly").format(type=dev.type))
 
 
 def resolve_dtype(device: DeviceLike, dtype: DtypeLike = "auto") -> torch.dtype:
@@ -79,26 +80,26 @@ def resolve_dtype(device: DeviceLike, dtype: DtypeLike = "auto") -> torch.dtype:
         if key == "auto":
             return choose_dtype(device)
         if key not in _DTYPE_NAMES:
-            raise ValueError(f"unknown dtype {dtype!r}; use 'auto', one of {sorted(_DTYPE_NAMES)}, "
-                             "or a torch.dtype")
+            raise ValueError(_("unknown dtype {dtype!r}; use 'auto', one of {names}, or a torch.dtype").format(
+                dtype=dtype, names=sorted(_DTYPE_NAMES)))
         return _DTYPE_NAMES[key]
     if isinstance(dtype, torch.dtype):
         if dtype not in (*_LOW, torch.float32):
-            raise ValueError(f"mixed precision runs in torch.bfloat16 or torch.float16 (or torch.float32 for "
-                             f"none), not {dtype}")
+            raise ValueError(_("mixed precision runs in torch.bfloat16 or torch.float16 (or torch.float32 for "
+                               "none), not {dtype}").format(dtype=dtype))
         return dtype
-    raise TypeError(f"dtype must be 'auto', a name or a torch.dtype, got {type(dtype).__name__}")
+    raise TypeError(_("dtype must be 'auto', a name or a torch.dtype, got {type}").format(type=type(dtype).__name__))
 
 
 def _check_usable(dev: torch.device) -> None:
     """Fail early with a clear message instead of torch's 'Disabling autocast' warning later."""
     if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device {dev} asked for, but CUDA is not available here; "
-                         "use course_utils.device.get_device() to pick an available device")
+        raise ValueError(_("device {device} asked for, but CUDA is not available here; "
+                           "use course_utils.device.get_device() to pick an available device").format(device=dev))
     if dev.type == "mps" and not (getattr(torch.backends, "mps", None) and torch.backends.mps.is_available()):
-        raise ValueError(f"device {dev} asked for, but Apple MPS is not available on this machine")
+        raise ValueError(_("device {device} asked for, but Apple MPS is not available on this machine").format(device=dev))
     if not torch.amp.is_autocast_available(dev.type):
-        raise ValueError(f"torch has no autocast for device type {dev.type!r}")
+        raise ValueError(_("torch has no autocast for device type {type!r}").format(type=dev.type))
 
 
 def autocast(device: DeviceLike, dtype: DtypeLike = "auto") -> ContextManager:
@@ -126,7 +127,7 @@ def _found_inf(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer) -
     if not isinstance(flags, dict):
         return None
     if not flags:
-        raise RuntimeError("no gradients found for this optimizer: call backward(loss) before step()")
+        raise RuntimeError(_("no gradients found for this optimizer: call backward(loss) before step()"))
     total = None
     for flag in flags.values():
         flag = flag.to(scaler._scale.device, non_blocking=True) if scaler._scale is not None else flag
@@ -190,7 +191,7 @@ class MixedPrecision:
         if self.scaler is None or id(optimizer) in self._unscaled:
             return
         if self.scaler._scale is None:  # scale() was never called: no scaled backward happened
-            raise RuntimeError("step() before any backward(loss): call precision.backward(loss) first")
+            raise RuntimeError(_("step() before any backward(loss): call precision.backward(loss) first"))
         self.scaler.unscale_(optimizer)  # grads /= scale in place and inf/nan flag on the device; no sync
         self._unscaled.add(id(optimizer))
 
@@ -210,7 +211,8 @@ class MixedPrecision:
         after unscaling, so the threshold is in true gradient units.
         """
         if clip_grad_norm is not None and not clip_grad_norm > 0:
-            raise ValueError(f"clip_grad_norm must be a positive number or None, got {clip_grad_norm!r}")
+            raise ValueError(_("clip_grad_norm must be a positive number or None, got {value!r}").format(
+                value=clip_grad_norm))
         if clip_grad_norm is not None and parameters is None:
             parameters = optimizer_params(optimizer)
         scaler = self.scaler
@@ -255,8 +257,8 @@ class MixedPrecision:
         loaded into a run without a scaler (an fp16 checkpoint resumed in bf16) is not needed and dropped.
         """
         if not isinstance(state, dict) or "scaler" not in state or not isinstance(state["scaler"], dict):
-            raise ValueError("not a MixedPrecision state: expected a dict from MixedPrecision.state_dict() "
-                             "with a 'scaler' entry")
+            raise ValueError(_("not a MixedPrecision state: expected a dict from MixedPrecision.state_dict() "
+                               "with a 'scaler' entry"))
         if self.scaler is not None and state["scaler"]:
             self.scaler.load_state_dict(state["scaler"])
 
@@ -315,7 +317,7 @@ def autocast_dtype_table(device: DeviceLike, dtype: DtypeLike = "auto") -> dict[
     _check_usable(dev)
     low = resolve_dtype(dev, dtype)
     if low == torch.float32:
-        raise ValueError("autocast_dtype_table needs a low-precision dtype (bf16 or fp16), not float32")
+        raise ValueError(_("autocast_dtype_table needs a low-precision dtype (bf16 or fp16), not float32"))
     gen = torch.Generator().manual_seed(0)  # CPU generator, then moved: same numbers on every device
 
     def rand(*shape: int) -> torch.Tensor:
@@ -348,15 +350,16 @@ def underflow_fraction(grads: torch.Tensor | Iterable[torch.Tensor | None],
     """
     target = resolve_dtype("cpu", dtype)
     if not isinstance(scale, (int, float)) or not scale > 0:
-        raise ValueError(f"scale must be a positive number, got {scale!r}")
+        raise ValueError(_("scale must be a positive number, got {scale!r}").format(scale=scale))
     tensors = [grads] if isinstance(grads, torch.Tensor) else [g for g in grads if g is not None]
     if not tensors:
-        raise ValueError("no gradients given (all None?): run loss.backward() and pass [p.grad for p in "
-                         "model.parameters()]")
+        raise ValueError(_("no gradients given (all None?): run loss.backward() and pass [p.grad for p in "
+                           "model.parameters()]"))
     nonzero = lost = None
     for g in tensors:
         if not isinstance(g, torch.Tensor) or not g.is_floating_point():
-            raise TypeError(f"gradients must be floating-point tensors, got {getattr(g, 'dtype', type(g))}")
+            raise TypeError(_("gradients must be floating-point tensors, got {type}").format(
+                type=getattr(g, "dtype", type(g))))
         values = g.detach().float()
         if scale != 1.0:
             values = values * scale

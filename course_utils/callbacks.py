@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+from .i18n import _
 
 if TYPE_CHECKING:  # for annotations only: this module does not import the trainer
     from .trainer import Trainer
@@ -115,8 +116,9 @@ class EarlyStopping(Callback):
 
     def on_epoch_end(self, trainer, logs) -> None:
         if self.monitor not in logs:
-            raise KeyError(f"EarlyStopping watches {self.monitor!r}, but the epoch logs have only {sorted(logs)} "
-                           "(val_loss and val_accuracy need Trainer(..., val_loader=...))")
+            raise KeyError(_("EarlyStopping watches {monitor!r}, but the epoch logs have only {logs} (val_loss and "
+                             "val_accuracy need Trainer(..., val_loader=...))").format(monitor=self.monitor,
+                                                                                        logs=sorted(logs)))
         value = logs[self.monitor]
         better = value < self.best - self.min_delta if self.mode == "min" else value > self.best + self.min_delta
         if better:
@@ -124,8 +126,9 @@ class EarlyStopping(Callback):
             return
         self.bad_epochs += 1
         if self.bad_epochs >= self.patience:
-            raise StopTraining(f"{self.monitor} has not improved for {self.patience} epochs "
-                               f"(best {self.best:.4g} after epoch {self.best_epoch})")
+            raise StopTraining(_("{monitor} has not improved for {patience} epochs (best {best:.4g} after epoch "
+                                 "{epoch})").format(monitor=self.monitor, patience=self.patience, best=self.best,
+                                                    epoch=self.best_epoch))
 
     def state_dict(self) -> dict[str, Any]:
         return {"best": self.best, "best_epoch": self.best_epoch, "bad_epochs": self.bad_epochs}
@@ -150,4 +153,4 @@ class Checkpoint(Callback):
         if trainer.position is not None:  # stopped inside an epoch: save where
             trainer.save_checkpoint(self.path)
             if trainer.is_main:
-                print(f"Checkpoint saved to '{self.path.name}' ({trainer.where()}).")
+                print(_("Checkpoint saved to '{name}' ({where}).").format(name=self.path.name, where=trainer.where()))

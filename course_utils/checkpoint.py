@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from .memory.oom import first_line
+from .i18n import _
 
 FORMAT = "course_utils.Trainer/2"
 
@@ -128,20 +129,22 @@ def load(path, map_location=None, expected_format: str = FORMAT) -> dict[str, An
     """Load a checkpoint with `weights_only=True`, or raise `CheckpointError` naming the file."""
     path = Path(path)
     if not path.exists():
-        raise CheckpointError(f"checkpoint '{path}' does not exist")
+        raise CheckpointError(_("checkpoint '{path}' does not exist").format(path=path))
     try:
         state = torch.load(path, map_location=map_location, weights_only=True)
     except Exception as exc:  # truncated zip, bad pickle, wrong file type, disallowed globals, a device...
         text = str(exc)
         if "deserialize object on" in text or "device" in text.lower() and "zip" not in text.lower():
-            raise CheckpointError(f"checkpoint '{path}' holds tensors that cannot be mapped to "
-                                  f"{map_location or 'the devices they were saved from'} on this machine "
-                                  f"({first_line(exc)[:200]}); pass map_location='cpu' "
-                                  "or the device you train on") from None
-        raise CheckpointError(f"checkpoint '{path}' is truncated or corrupt and cannot be loaded "
-                              f"({first_line(exc)[:200]})") from None
+            raise CheckpointError(_("checkpoint '{path}' holds tensors that cannot be mapped to {device} on this "
+                                    "machine ({error}); pass map_location='cpu' or the device you train on").format(
+                path=path, device=map_location or _("the devices they were saved from"),
+                error=first_line(exc)[:200])) from None
+        raise CheckpointError(_("checkpoint '{path}' is truncated or corrupt and cannot be loaded ({error})").format(
+            path=path, error=first_line(exc)[:200])) from None
     if not isinstance(state, dict) or state.get("format") != expected_format:
         found = state.get("format") if isinstance(state, dict) else None
-        extra = f" (format {found!r}, expected {expected_format!r})" if isinstance(found, str) else ""
-        raise CheckpointError(f"'{path}' is a readable file but not a course_utils Trainer checkpoint{extra}")
+        extra = _(" (format {found!r}, expected {expected!r})").format(found=found, expected=expected_format) \
+            if isinstance(found, str) else ""
+        raise CheckpointError(_("'{path}' is a readable file but not a course_utils Trainer checkpoint").format(
+            path=path) + extra)
     return state

@@ -19,6 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import Dataset
 
+from .i18n import _
+
 DIGIT_CLASSES = [str(d) for d in range(10)]
 SHAPE_CLASSES = ["disk", "square", "triangle", "ring", "plus", "h-bars", "v-bars", "x-cross", "checker", "two-dots"]
 
@@ -28,7 +30,7 @@ class ImageDataset(Dataset):
 
     def __init__(self, images: torch.Tensor, labels: torch.Tensor, classes: list[str], source: str):
         if len(images) != len(labels):
-            raise ValueError(f"{len(images)} images but {len(labels)} labels")
+            raise ValueError(_("{images} images but {labels} labels").format(images=len(images), labels=len(labels)))
         self.images = images
         self.labels = labels
         self.classes = classes
@@ -114,7 +116,7 @@ def synthetic_digits(n: int = 10_000, seed: int = 0) -> ImageDataset:
     with noise, so a model must learn shapes rather than pixels. 60k digits take a few seconds.
     """
     if n < 1:
-        raise ValueError(f"n must be at least 1, got {n}")
+        raise ValueError(_("n must be at least 1, got {n}").format(n=n))
     import torch.nn.functional as F
 
     g = torch.Generator().manual_seed(seed)
@@ -158,7 +160,7 @@ def synthetic_cifar(n: int = 10_000, seed: int = 0) -> ImageDataset:
     Random position, size, rotation, foreground and background colours and noise; the class is the shape.
     """
     if n < 1:
-        raise ValueError(f"n must be at least 1, got {n}")
+        raise ValueError(_("n must be at least 1, got {n}").format(n=n))
     g = torch.Generator().manual_seed(seed)
     labels = torch.arange(n) % 10
     labels = labels[torch.randperm(n, generator=g)]
@@ -211,14 +213,19 @@ def _load_torchvision(name: str, root, train: bool, download: bool):
         socket.setdefaulttimeout(old)
 
 
+def _first_line(exc: Exception) -> str:
+    lines = str(exc).splitlines()
+    return lines[0][:120] if lines else ""
+
+
 def load_mnist(root="data", train: bool = True, download: bool = True, fallback_size: int | None = None) -> ImageDataset:
     """Real MNIST through torchvision if present or downloadable, else synthetic digits (with one sentence why)."""
     try:
         ds = _load_torchvision("MNIST", root, train, download)
     except Exception as exc:  # no files and no network, a corrupt file, ...
         n = fallback_size or (60_000 if train else 10_000)
-        print(f"MNIST is not available under {root!s} ({type(exc).__name__}: {str(exc).splitlines()[0][:120]}); "
-              f"using {n} synthetic digits instead.")
+        print(_("MNIST is not available under {root} ({error}: {message}); using {n} synthetic digits instead."
+                ).format(root=root, error=type(exc).__name__, message=_first_line(exc), n=n))
         return synthetic_digits(n, seed=0 if train else 1)
     images = ds.data.unsqueeze(1).float().div_(255)
     return ImageDataset(images, ds.targets.long(), DIGIT_CLASSES, "torchvision.MNIST")
@@ -230,8 +237,8 @@ def load_cifar10(root="data", train: bool = True, download: bool = True, fallbac
         ds = _load_torchvision("CIFAR10", root, train, download)
     except Exception as exc:
         n = fallback_size or (50_000 if train else 10_000)
-        print(f"CIFAR-10 is not available under {root!s} ({type(exc).__name__}: {str(exc).splitlines()[0][:120]}); "
-              f"using {n} synthetic CIFAR-shaped images instead.")
+        print(_("CIFAR-10 is not available under {root} ({error}: {message}); using {n} synthetic CIFAR-shaped "
+                "images instead.").format(root=root, error=type(exc).__name__, message=_first_line(exc), n=n))
         return synthetic_cifar(n, seed=0 if train else 1)
     images = torch.from_numpy(ds.data).permute(0, 3, 1, 2).float().div_(255).contiguous()
     return ImageDataset(images, torch.tensor(ds.targets, dtype=torch.long), list(ds.classes), "torchvision.CIFAR10")
@@ -248,7 +255,7 @@ class AugmentedImages(Dataset):
 
     def __init__(self, images: torch.Tensor, labels: torch.Tensor, pad: int = 4, noise: float = 0.02):
         if len(images) != len(labels):
-            raise ValueError(f"{len(images)} images but {len(labels)} labels")
+            raise ValueError(_("{images} images but {labels} labels").format(images=len(images), labels=len(labels)))
         self.images, self.labels, self.pad, self.noise = images, labels, pad, noise
 
     def __len__(self) -> int:
@@ -283,9 +290,9 @@ class TensorLoader:
     def __init__(self, images: torch.Tensor, labels: torch.Tensor, batch_size: int = 64, shuffle: bool = True,
                  device=None, drop_last: bool = False, seed: int = 0):
         if len(images) != len(labels):
-            raise ValueError(f"{len(images)} images but {len(labels)} labels")
+            raise ValueError(_("{images} images but {labels} labels").format(images=len(images), labels=len(labels)))
         if batch_size < 1:
-            raise ValueError(f"batch_size must be at least 1, got {batch_size}")
+            raise ValueError(_("batch_size must be at least 1, got {batch_size}").format(batch_size=batch_size))
         self.device = torch.device(device) if device is not None else images.device
         self.images = images.to(self.device)
         self.labels = labels.to(self.device)
@@ -301,7 +308,7 @@ class TensorLoader:
     def shard(self, rank: int, world_size: int) -> "TensorLoader":
         """This loader for rank `rank` of `world_size` (the same tensors, the same shuffling state)."""
         if not 0 <= rank < world_size:
-            raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
+            raise ValueError(_("rank must be in [0, {world_size}), got {rank}").format(world_size=world_size, rank=rank))
         shard = copy.copy(self)
         shard.generator = torch.Generator(device="cpu")
         shard.generator.set_state(self.generator.get_state())

@@ -9,6 +9,8 @@ import os
 
 import torch
 
+from .i18n import _
+
 ENV_VAR = "COURSE_DEVICE"
 
 
@@ -35,13 +37,14 @@ def get_device(prefer: str | torch.device | None = None) -> torch.device:
     device = torch.device(choice)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(
-            f"asked for {device} but CUDA is not available here; "
-            f"run describe_environment() to see why, or use get_device() to pick automatically"
+            _("asked for {device} but CUDA is not available here; "
+              "run describe_environment() to see why, or use get_device() to pick automatically").format(device=device)
         )
     if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
-        raise ValueError(f"asked for {device} but only {torch.cuda.device_count()} CUDA device(s) are visible")
+        raise ValueError(_("asked for {device} but only {count} CUDA device(s) are visible").format(
+            device=device, count=torch.cuda.device_count()))
     if device.type == "mps" and not mps_available():
-        raise ValueError(f"asked for {device} but Apple MPS is not available on this machine")
+        raise ValueError(_("asked for {device} but Apple MPS is not available on this machine").format(device=device))
     return device
 
 

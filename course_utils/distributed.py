@@ -29,6 +29,8 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, SequentialSampler
 
+from .i18n import _
+
 ENV_TIMEOUT = "COURSE_DIST_TIMEOUT"  # seconds a collective may wait for the other ranks (default 300)
 
 
@@ -78,9 +80,10 @@ def setup(device_type: str | None = None) -> "Process | None":
     if device_type is None:
         device_type = "cuda" if gpus >= local_world else "cpu"
     if device_type == "cuda" and gpus < local_world:
-        raise RuntimeError(f"torchrun started {local_world} processes on this machine, but it has {gpus} CUDA "
-                           f"GPU(s), and data parallelism runs one process per GPU: start at most {gpus} "
-                           "(--nproc-per-node), or train on the CPU (device='cpu', gloo) to try it out")
+        raise RuntimeError(_("torchrun started {processes} processes on this machine, but it has {gpus} CUDA GPU(s), "
+                             "and data parallelism runs one process per GPU: start at most {gpus} "
+                             "(--nproc-per-node), or train on the CPU (device='cpu', gloo) to try it out").format(
+            processes=local_world, gpus=gpus))
     process.backend = "nccl" if device_type == "cuda" else "gloo"
     if not dist.is_initialized():
         if device_type == "cuda":
@@ -89,8 +92,8 @@ def setup(device_type: str | None = None) -> "Process | None":
         sys.excepthook = _note_failure(sys.excepthook)
         atexit.register(_destroy)
     elif dist.get_world_size() != process.world_size:
-        raise RuntimeError(f"a process group of {dist.get_world_size()} ranks exists, but WORLD_SIZE says "
-                           f"{process.world_size}")
+        raise RuntimeError(_("a process group of {ranks} ranks exists, but WORLD_SIZE says {world_size}").format(
+            ranks=dist.get_world_size(), world_size=process.world_size))
     process.backend = dist.get_backend()
     process.cpu_group = dist.new_group(backend="gloo") if process.backend != "gloo" else None
     return process
@@ -143,15 +146,15 @@ def shard_loader(loader, process: Process):
     if callable(shard):
         return shard(process.rank, process.world_size)
     if not isinstance(loader, DataLoader) and not hasattr(loader, "sampler"):
-        raise TypeError(f"cannot split a {type(loader).__name__} across {process.world_size} ranks: pass a "
-                        "course_utils.data.TensorLoader or a torch DataLoader, or give every rank its own share "
-                        "through a DataLoader with a DistributedSampler")
+        raise TypeError(_("cannot split a {loader} across {ranks} ranks: pass a course_utils.data.TensorLoader or a "
+                          "torch DataLoader, or give every rank its own share through a DataLoader with a "
+                          "DistributedSampler").format(loader=type(loader).__name__, ranks=process.world_size))
     sampler = loader.sampler
     if isinstance(sampler, DistributedSampler):
         return loader
     if not isinstance(sampler, (RandomSampler, SequentialSampler)) or loader.batch_sampler is None:
-        raise TypeError(f"this DataLoader uses a {type(sampler).__name__}: build it with a "
-                        "torch.utils.data.DistributedSampler yourself so that each rank draws its own share")
+        raise TypeError(_("this DataLoader uses a {sampler}: build it with a torch.utils.data.DistributedSampler "
+                          "yourself so that each rank draws its own share").format(sampler=type(sampler).__name__))
     seed = loader.generator.initial_seed() if loader.generator is not None else 0
     distributed = DistributedSampler(loader.dataset, num_replicas=process.world_size, rank=process.rank,
                                      shuffle=isinstance(sampler, RandomSampler), seed=seed)

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from . import nvml as nvml_reader
+from .i18n import _
 from .device import get_device, mps_available
 
 __all__ = [
@@ -43,7 +44,7 @@ def query_nvml(nvml=None) -> NvmlInfo:
         try:
             nvml = nvml_reader.load()
         except ImportError as exc:  # pragma: no cover - nvidia-ml-py is a dependency
-            return NvmlInfo(False, error=f"nvidia-ml-py is not installed ({exc})")
+            return NvmlInfo(False, error=_("nvidia-ml-py is not installed ({error})").format(error=exc))
     with nvml_reader.session(nvml) as error:
         if error is not None:
             return NvmlInfo(False, error=error)
@@ -110,25 +111,26 @@ def driver_runs_build(build: tuple[int, int], driver_cuda: tuple[int, int], driv
     """
     need, have = f"{build[0]}.{build[1]}", f"{driver_cuda[0]}.{driver_cuda[1]}"
     if driver_cuda >= build:
-        return True, f"the driver supports CUDA {have}, this build uses CUDA {need}"
+        return True, _("the driver supports CUDA {have}, this build uses CUDA {need}").format(have=have, need=need)
     branch = int(driver_version.split(".")[0]) if driver_version and driver_version.split(".")[0].isdigit() else None
     minimum = MIN_DRIVER_BRANCH.get(build[0])
     if build[0] >= 11 and driver_cuda[0] == build[0] and minimum is not None and (branch is None or branch >= minimum):
-        return True, (f"the driver supports CUDA {have} and this build uses CUDA {need}: the same major release, "
-                      "so CUDA's minor-version compatibility lets it run (features that need a newer driver, such "
-                      "as PTX from the newer toolkit, are unavailable)")
+        return True, _("the driver supports CUDA {have} and this build uses CUDA {need}: the same major release, "
+                       "so CUDA's minor-version compatibility lets it run (features that need a newer driver, such "
+                       "as PTX from the newer toolkit, are unavailable)").format(have=have, need=need)
     if minimum is not None and branch is not None and branch < minimum:
-        fix = f"update the driver to the {minimum} branch or newer"
+        fix = _("update the driver to the {minimum} branch or newer").format(minimum=minimum)
     else:
-        fix = "update the driver"
-    return False, (f"the driver supports CUDA up to {have}, but this torch was built with CUDA {need}: {fix}, or "
-                   f"install a torch build for CUDA {driver_cuda[0]}.x")
+        fix = _("update the driver")
+    return False, _("the driver supports CUDA up to {have}, but this torch was built with CUDA {need}: {fix}, or "
+                    "install a torch build for CUDA {major}.x").format(have=have, need=need, fix=fix,
+                                                                       major=driver_cuda[0])
 
 
 def _arch(name: str) -> tuple[tuple[int, int], str] | None:
     """'sm_86' -> ((8, 6), 'sm'); 'compute_90' -> ((9, 0), 'compute'); 'sm_90a' -> ((9, 0), 'sm_a');
     'sm_100f' -> ((10, 0), 'sm')."""
-    kind, _, rest = name.partition("_")
+    kind, _sep, rest = name.partition("_")
     digits = rest.rstrip("af")
     if kind not in ("sm", "compute") or len(digits) < 2 or not digits.isdigit():
         return None
@@ -148,16 +150,19 @@ def build_supports_gpu(capability: tuple[int, int], arch_list: list[str]) -> tup
     sms = sorted(v for v, kind in archs if kind == "sm")
     if any((v[0] == capability[0] and v[1] <= capability[1]) if kind == "sm" else v == capability
            for v, kind in archs if kind in ("sm", "sm_a")):
-        return True, f"yes: this build has machine code for {cc} GPUs ({' '.join(arch_list)})"
+        return True, _("yes: this build has machine code for {cc} GPUs ({archs})").format(cc=cc,
+                                                                                          archs=" ".join(arch_list))
     if any(kind == "compute" and v <= capability for v, kind in archs):
-        return True, f"yes, through PTX: the driver compiles it for {cc} on first use (slow the first time)"
-    listed = " ".join(arch_list) or "none"
+        return True, _("yes, through PTX: the driver compiles it for {cc} on first use (slow the first time)"
+                       ).format(cc=cc)
+    listed = " ".join(arch_list) or _("none")
     if sms and capability < sms[0]:
-        return False, (f"no: this GPU ({cc}) is too old for this build, which has code for {listed}. Install an "
-                       "older torch (or one built for an older CUDA) that still supports it")
-    return False, (f"no: this GPU ({cc}) is newer than anything this build has code for ({listed}). Install a "
-                   "newer torch built for a newer CUDA (pytorch.org's selector lists them); until then it fails "
-                   "with 'no kernel image is available for execution on the device'")
+        return False, _("no: this GPU ({cc}) is too old for this build, which has code for {listed}. Install an "
+                        "older torch (or one built for an older CUDA) that still supports it").format(cc=cc,
+                                                                                                    listed=listed)
+    return False, _("no: this GPU ({cc}) is newer than anything this build has code for ({listed}). Install a "
+                    "newer torch built for a newer CUDA (pytorch.org's selector lists them); until then it fails "
+                    "with 'no kernel image is available for execution on the device'").format(cc=cc, listed=listed)
 
 
 @dataclass
@@ -178,29 +183,32 @@ def diagnose(torch_info: TorchInfo, nvml: NvmlInfo, env: dict | None = None) -> 
 
     # 1. Is a driver visible?
     if nvml.available:
-        gpus = ", ".join(nvml.gpus) if nvml.gpus else "no GPUs listed"
-        steps.append(Step("Is an NVIDIA driver visible?",
-                          f"yes: driver {nvml.driver_version or '?'} ({gpus})", True))
+        gpus = ", ".join(nvml.gpus) if nvml.gpus else _("no GPUs listed")
+        steps.append(Step(_("Is an NVIDIA driver visible?"),
+                          _("yes: driver {version} ({gpus})").format(version=nvml.driver_version or "?", gpus=gpus),
+                          True))
     else:
-        steps.append(Step("Is an NVIDIA driver visible?",
-                          f"no: NVML could not be loaded ({nvml.error}). Either this machine has no NVIDIA GPU, "
-                          "or its driver is not installed or not loaded. `nvidia-smi` in a terminal should list "
-                          "the GPU; if it does not, install the driver first.", False))
+        steps.append(Step(_("Is an NVIDIA driver visible?"),
+                          _("no: NVML could not be loaded ({error}). Either this machine has no NVIDIA GPU, "
+                            "or its driver is not installed or not loaded. `nvidia-smi` in a terminal should list "
+                            "the GPU; if it does not, install the driver first.").format(error=nvml.error), False))
 
     # 2. Is this a CPU-only build of torch?
     if torch_info.hip_build:
-        steps.append(Step("Is this PyTorch build able to use a GPU?",
-                          f"yes: a ROCm (HIP {torch_info.hip_build}) build", True))
+        steps.append(Step(_("Is this PyTorch build able to use a GPU?"),
+                          _("yes: a ROCm (HIP {hip}) build").format(hip=torch_info.hip_build), True))
     elif torch_info.cuda_build is None:
-        steps.append(Step("Is this PyTorch build able to use a GPU?",
-                          f"no: torch {torch_info.version} is a CPU-only build (torch.version.cuda is None). "
-                          "Reinstall torch with a CUDA build (see the README) if this machine has an NVIDIA GPU.",
+        steps.append(Step(_("Is this PyTorch build able to use a GPU?"),
+                          _("no: torch {version} is a CPU-only build (torch.version.cuda is None). "
+                            "Reinstall torch with a CUDA build (see the README) if this machine has an NVIDIA GPU."
+                            ).format(version=torch_info.version),
                           not nvml.available))
         if nvml.available:
             return steps
     else:
-        steps.append(Step("Is this PyTorch build able to use a GPU?",
-                          f"yes: torch {torch_info.version} was built with CUDA {torch_info.cuda_build}", True))
+        steps.append(Step(_("Is this PyTorch build able to use a GPU?"),
+                          _("yes: torch {version} was built with CUDA {cuda}").format(version=torch_info.version,
+                                                                                   cuda=torch_info.cuda_build), True))
 
     if not nvml.available:
         return steps
@@ -209,32 +217,36 @@ def diagnose(torch_info: TorchInfo, nvml: NvmlInfo, env: dict | None = None) -> 
     if torch_info.cuda_build and nvml.cuda_driver_version:
         need = tuple(int(p) for p in torch_info.cuda_build.split(".")[:2])
         ok, why = driver_runs_build(need, nvml.cuda_driver_version, nvml.driver_version)
-        steps.append(Step("Is the driver new enough for this build's CUDA?", ("yes: " if ok else "no: ") + why, ok))
+        steps.append(Step(_("Is the driver new enough for this build's CUDA?"),
+                          (_("yes: {why}") if ok else _("no: {why}")).format(why=why), ok))
         if not ok:
             return steps
     # 4. Does the build have code for this GPU?
     unsupported = gpu_support_problems(torch_info, nvml)
     if unsupported:
-        steps.append(Step("Does this PyTorch build support this GPU?", unsupported[0], False))
+        steps.append(Step(_("Does this PyTorch build support this GPU?"), unsupported[0], False))
         return steps
     if torch_info.arch_list and any(nvml.capabilities):
-        steps.append(Step("Does this PyTorch build support this GPU?",
+        steps.append(Step(_("Does this PyTorch build support this GPU?"),
                           build_supports_gpu(next(c for c in nvml.capabilities if c), torch_info.arch_list)[1], True))
     # 5. Is the GPU hidden by CUDA_VISIBLE_DEVICES?
     cvd = env.get("CUDA_VISIBLE_DEVICES")
     if cvd is not None and (cvd.strip() in ("", "-1", "none", "NoDevFiles")):
-        steps.append(Step("Is the GPU hidden by CUDA_VISIBLE_DEVICES?",
-                          f"yes: CUDA_VISIBLE_DEVICES={cvd!r} hides every GPU from this process. Unset it "
-                          "(and restart the kernel) to use the GPU.", False))
+        steps.append(Step(_("Is the GPU hidden by CUDA_VISIBLE_DEVICES?"),
+                          _("yes: CUDA_VISIBLE_DEVICES={value!r} hides every GPU from this process. Unset it "
+                            "(and restart the kernel) to use the GPU.").format(value=cvd), False))
         return steps
-    steps.append(Step("Is the GPU hidden by CUDA_VISIBLE_DEVICES?",
-                      "no: " + ("it is not set" if cvd is None else f"it is {cvd!r}"), True))
+    steps.append(Step(_("Is the GPU hidden by CUDA_VISIBLE_DEVICES?"),
+                      _("no: it is not set") if cvd is None else _("no: it is {value!r}").format(value=cvd), True))
 
     if not torch_info.cuda_available:
-        steps.append(Step("Did CUDA start in this process?",
-                          "no: the driver and build look right but CUDA failed to initialise"
-                          + (f" ({torch_info.cuda_error})" if torch_info.cuda_error else "")
-                          + ". Restart the kernel; if it persists, reboot (a driver update needs one).", False))
+        if torch_info.cuda_error:
+            finding = _("no: the driver and build look right but CUDA failed to initialise ({error}). Restart the "
+                        "kernel; if it persists, reboot (a driver update needs one).").format(error=torch_info.cuda_error)
+        else:
+            finding = _("no: the driver and build look right but CUDA failed to initialise. Restart the kernel; if "
+                        "it persists, reboot (a driver update needs one).")
+        steps.append(Step(_("Did CUDA start in this process?"), finding, False))
     return steps
 
 
@@ -248,7 +260,7 @@ def gpu_support_problems(torch_info: TorchInfo, nvml: NvmlInfo) -> list[str]:
         if cc is not None:
             ok, why = build_supports_gpu(cc, torch_info.arch_list)
             if not ok:
-                problems.append(f"{name}: {why}")
+                problems.append(_("{name}: {why}").format(name=name, why=why))
     return problems
 
 
@@ -278,37 +290,42 @@ def describe_environment(torch_info: TorchInfo | None = None, nvml: NvmlInfo | N
     elif t.hip_build:
         build = f"ROCm/HIP {t.hip_build}"
     else:
-        build = "CPU-only"
+        build = _("CPU-only")
     lines = [
-        f"Python {platform.python_version()} on {platform.system()} {platform.machine()}",
-        f"PyTorch {t.version} ({build} build)",
-        f"CPU threads used by torch: {torch.get_num_threads()} (logical CPUs: {os.cpu_count()})",
+        _("Python {python} on {system} {machine}").format(python=platform.python_version(), system=platform.system(),
+                                                          machine=platform.machine()),
+        _("PyTorch {version} ({build} build)").format(version=t.version, build=build),
+        _("CPU threads used by torch: {threads} (logical CPUs: {cpus})").format(threads=torch.get_num_threads(),
+                                                                               cpus=os.cpu_count()),
     ]
     if n.available:
-        lines.append(f"NVIDIA driver: {n.driver_version or 'unknown'}"
-                     + (f" (supports CUDA up to {n.cuda_driver_version[0]}.{n.cuda_driver_version[1]})"
-                        if n.cuda_driver_version else ""))
+        version = n.driver_version or _("unknown")
+        if n.cuda_driver_version:
+            lines.append(_("NVIDIA driver: {version} (supports CUDA up to {cuda})").format(
+                version=version, cuda=f"{n.cuda_driver_version[0]}.{n.cuda_driver_version[1]}"))
+        else:
+            lines.append(_("NVIDIA driver: {version}").format(version=version))
     steps: list[Step] = []
     if t.cuda_available and t.device_count:
         from .memory.sizes import format_bytes  # imported here: the memory package is not needed otherwise
 
         for i in range(t.device_count):
             p = torch.cuda.get_device_properties(i)
-            lines.append(f"GPU {i}: {p.name}, compute capability {p.major}.{p.minor}, "
-                         f"{format_bytes(p.total_memory)} total memory")
+            lines.append(_("GPU {index}: {name}, compute capability {major}.{minor}, {memory} total memory").format(
+                index=i, name=p.name, major=p.major, minor=p.minor, memory=format_bytes(p.total_memory)))
         for problem in gpu_support_problems(t, n):
-            lines.append(f"Warning: CUDA starts, but {problem}.")
+            lines.append(_("Warning: CUDA starts, but {problem}.").format(problem=problem))
         device = torch.device("cuda")
     elif t.mps_available:
-        lines.append("GPU: Apple MPS (Metal) is available; memory is shared with the CPU")
+        lines.append(_("GPU: Apple MPS (Metal) is available; memory is shared with the CPU"))
         device = torch.device("mps")
     else:
         device = torch.device("cpu")
         steps = diagnose(t, n, env)
-        lines.append("No GPU is usable in this process. Diagnosis for this machine:")
+        lines.append(_("No GPU is usable in this process. Diagnosis for this machine:"))
         for i, s in enumerate(steps, 1):
-            lines.append(f"  {i}. {s.question} {s.finding}")
+            lines.append(_("  {number}. {question} {finding}").format(number=i, question=s.question, finding=s.finding))
     if not faked:
         device = get_device()  # honours COURSE_DEVICE, so the report names the device notebooks will use
-    lines.append(f"The course will use: {device}")
+    lines.append(_("The course will use: {device}").format(device=device))
     return EnvironmentReport(lines, device, steps)

@@ -29,6 +29,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset
 
 from .checkpoint import generator_state, rng_state, set_generator_state, set_rng_state
+from .i18n import _
 
 
 def _generators(loader: DataLoader) -> list[torch.Generator]:
@@ -120,21 +121,21 @@ class LoaderState:
         """Why this loader's position cannot be saved exactly, or None when it can."""
         name = type(self.loader).__name__
         if self.kind == "unknown":
-            return (f"the order of a {name} cannot be saved: a resumed run skips the batches already trained on "
-                    f"in a fresh pass, which is the same data only if the {name} yields the same batches in the "
-                    "same order every pass. For an exact resume use course_utils.data.TensorLoader, a torch "
-                    "DataLoader, or torchdata's StatefulDataLoader.")
+            return _("the order of a {name} cannot be saved: a resumed run skips the batches already trained on "
+                     "in a fresh pass, which is the same data only if the {name} yields the same batches in the "
+                     "same order every pass. For an exact resume use course_utils.data.TensorLoader, a torch "
+                     "DataLoader, or torchdata's StatefulDataLoader.").format(name=name)
         dataset = getattr(self.loader, "dataset", None)
         if self.kind == "stateful" and getattr(self.loader, "num_workers", 0) > 0 and dataset is not None \
                 and not _is_stateful(dataset):
-            return (f"the {name} restores its workers' seeds, not their random state: random numbers the dataset "
-                    f"({type(dataset).__name__}) draws in the workers (random augmentations) start again from the "
-                    "seeds after a resume. Give the dataset state_dict()/load_state_dict() (torchdata saves them "
-                    "per worker), or draw its randomness from the sample index.")
+            return _("the {name} restores its workers' seeds, not their random state: random numbers the dataset "
+                     "({dataset}) draws in the workers (random augmentations) start again from the seeds after a "
+                     "resume. Give the dataset state_dict()/load_state_dict() (torchdata saves them per worker), or "
+                     "draw its randomness from the sample index.").format(name=name, dataset=type(dataset).__name__)
         if self.kind == "dataloader" and self.loader.persistent_workers and self.loader.num_workers > 0:
-            return ("the DataLoader has persistent workers: the batch order is restored, but random numbers drawn "
-                    "inside the workers (random augmentations) come from the workers' own generators, which "
-                    "cannot be saved. Use persistent_workers=False, or torchdata's StatefulDataLoader.")
+            return _("the DataLoader has persistent workers: the batch order is restored, but random numbers drawn "
+                     "inside the workers (random augmentations) come from the workers' own generators, which "
+                     "cannot be saved. Use persistent_workers=False, or torchdata's StatefulDataLoader.")
         return None
 
     def state_dict(self, batches_done: int | None = None) -> dict[str, Any]:
@@ -150,7 +151,7 @@ class LoaderState:
         caveat = self.caveat()
         if caveat is not None and not self._warned:
             self._warned = True
-            warnings.warn(f"Checkpoint: {caveat}", stacklevel=4)
+            warnings.warn(_("Checkpoint: {caveat}").format(caveat=caveat), stacklevel=4)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore `state`: between epochs at once; inside an epoch, the next `epoch()` continues it."""

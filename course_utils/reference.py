@@ -19,9 +19,11 @@ import textwrap
 from importlib import resources
 from pathlib import Path
 
+from .i18n import N_, _
+
 REFERENCE_FILE = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "gpu_reference.json"
 PUBLISHED_FILE = "published_figures.json"  # package data of course_utils
-PUBLISHED_LABEL = "published, not measured by this course"
+PUBLISHED_LABEL = N_("published, not measured by this course")  # shown as _(PUBLISHED_LABEL)
 _WIDTH = 118
 
 
@@ -41,8 +43,9 @@ def load_reference(section: str | None = None, path: Path | str | None = None) -
 
 
 def describe_stamp(stamp: dict) -> str:
-    return (f"measured on {stamp.get('hardware', 'unknown hardware')}, torch {stamp.get('torch', '?')}, "
-            f"{stamp.get('date', 'unknown date')}")
+    return _("measured on {hardware}, torch {torch}, {date}").format(
+        hardware=stamp.get("hardware", _("unknown hardware")), torch=stamp.get("torch", "?"),
+        date=stamp.get("date", _("unknown date")))
 
 
 @functools.lru_cache(maxsize=1)
@@ -86,8 +89,8 @@ def describe_date(source: dict) -> str:
     if source.get("date"):
         return source["date"]
     if source.get("retrieved"):
-        return f"retrieved {source['retrieved']}"
-    return source.get("date_as_stated", "undated")
+        return _("retrieved {date}").format(date=source["retrieved"])
+    return source.get("date_as_stated", _("undated"))
 
 
 def describe_source(source: dict) -> str:
@@ -121,9 +124,12 @@ def published_table(section: str) -> str:
         if fig.get("note"):
             lines += textwrap.wrap(fig["note"], _WIDTH, initial_indent=indent + "  ", subsequent_indent=indent + "  ")
     if any(f["kind"] == "vendor peak" for f in figures):
-        dense = " (tensor peaks: dense, without 2:4 sparsity)" if any(f["unit"] == "TFLOPS" for f in figures) else ""
-        lines.append(f"  Vendor peaks are ceilings{dense}, not what a training step reaches.")
-    lines.append("  Sources:")
+        if any(f["unit"] == "TFLOPS" for f in figures):
+            lines.append(_("  Vendor peaks are ceilings (tensor peaks: dense, without 2:4 sparsity), not what a "
+                           "training step reaches."))
+        else:
+            lines.append(_("  Vendor peaks are ceilings, not what a training step reaches."))
+    lines.append(_("  Sources:"))
     for i, source in enumerate(sources, 1):
         lines += textwrap.wrap(f"[{i}] {describe_source(source)}", _WIDTH, initial_indent="    ",
                                subsequent_indent="        ", break_long_words=False, break_on_hyphens=False)
@@ -139,12 +145,13 @@ def show_reference(section: str, path: Path | str | None = None) -> dict | None:
     if ref is None:
         table = published_table(section)
         if table:
-            print(f"No GPU figures measured by this course yet for '{section}'; published figures for comparison "
-                  f"({PUBLISHED_LABEL}):")
+            print(_("No GPU figures measured by this course yet for '{section}'; published figures for comparison "
+                    "({label}):").format(section=section, label=_(PUBLISHED_LABEL)))
             print(table)
         else:
-            print(f"No GPU figures measured by this course yet for '{section}', and no published ones for it.")
+            print(_("No GPU figures measured by this course yet for '{section}', and no published ones for it."
+                    ).format(section=section))
         return None
-    print(f"Reference GPU figures for '{section}': {describe_stamp(ref['stamp'])}.")
+    print(_("Reference GPU figures for '{section}': {stamp}.").format(section=section, stamp=describe_stamp(ref["stamp"])))
     return ref["figures"]
 

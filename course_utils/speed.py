@@ -35,6 +35,7 @@ from torch.utils.data import DataLoader
 from .amp import MixedPrecision
 from .data import AugmentedImages as AugmentedImages  # re-exported: notebook 03 imports it from here
 from .data import TensorLoader
+from .i18n import _
 from .models import CifarCNN
 from .step import TrainStep
 from .timing import measure, synchronize
@@ -44,7 +45,7 @@ def _device(device) -> torch.device:
     try:
         return torch.device(device)
     except (RuntimeError, TypeError) as exc:
-        raise ValueError(f"{device!r} is not a device (try 'cpu', 'cuda' or 'mps')") from exc
+        raise ValueError(_("{device!r} is not a device (try 'cpu', 'cuda' or 'mps')").format(device=device)) from exc
 
 
 # --- matrix products ------------------------------------------------------------------------
@@ -59,7 +60,7 @@ def matmul_gflops(n: int, device="cpu", *, include_transfer: bool = False, repea
     Timed with `course_utils.timing.measure` (warm-up, a synchronize per call, median).
     """
     if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-        raise ValueError(f"n must be a positive int, got {n!r}")
+        raise ValueError(_("n must be a positive int, got {n!r}").format(n=n))
     device = _device(device)
     gen = torch.Generator().manual_seed(n)
     a, b = torch.randn(n, n, generator=gen), torch.randn(n, n, generator=gen)
@@ -102,7 +103,7 @@ def launch_and_total_seconds(fn: Callable[[], object], device, repeats: int = 5)
     fn()
     synchronize(device)
     launch, total = [], []
-    for _ in range(repeats):
+    for _i in range(repeats):
         t0 = time.perf_counter()
         fn()
         t1 = time.perf_counter()
@@ -170,12 +171,14 @@ def backend_flags(config: LoopConfig, device):
 def _check_data(data, batch_size: int) -> None:
     images, labels = getattr(data, "images", None), getattr(data, "labels", None)
     if not isinstance(images, torch.Tensor) or not isinstance(labels, torch.Tensor):
-        raise TypeError("data must be a dataset with .images and .labels tensors, e.g. "
-                        f"course_utils.data.synthetic_cifar(n); got {type(data).__name__}")
+        raise TypeError(_("data must be a dataset with .images and .labels tensors, e.g. "
+                          "course_utils.data.synthetic_cifar(n); got {type}").format(type=type(data).__name__))
     if tuple(images.shape[1:]) != (3, 32, 32):
-        raise ValueError(f"the ladder trains CifarCNN, which needs 3x32x32 images; got {tuple(images.shape[1:])}")
+        raise ValueError(_("the ladder trains CifarCNN, which needs 3x32x32 images; got {shape}").format(
+            shape=tuple(images.shape[1:])))
     if len(labels) < batch_size:
-        raise ValueError(f"data has {len(labels)} images, fewer than one batch of {batch_size}")
+        raise ValueError(_("data has {images} images, fewer than one batch of {batch_size}").format(
+            images=len(labels), batch_size=batch_size))
 
 
 def _batches(data, config: LoopConfig, device: torch.device, seed: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
@@ -212,10 +215,10 @@ def ladder_step(device, data, config: LoopConfig = NAIVE, *, seed: int = 0,
     """
     device = _device(device)
     if not isinstance(config, LoopConfig):
-        raise TypeError(f"config must be a LoopConfig, got {type(config).__name__}")
+        raise TypeError(_("config must be a LoopConfig, got {type}").format(type=type(config).__name__))
     if config.pin_memory and device.type != "cuda":
-        raise ValueError("pin_memory speeds up copies from the CPU to a CUDA GPU; it does nothing for "
-                         f"device {device} (and needs CUDA to allocate pinned memory)")
+        raise ValueError(_("pin_memory speeds up copies from the CPU to a CUDA GPU; it does nothing for "
+                           "device {device} (and needs CUDA to allocate pinned memory)").format(device=device))
     _check_data(data, config.batch_size)
     torch.manual_seed(seed)
     model = CifarCNN().to(device)
@@ -249,14 +252,14 @@ def train_throughput(device, data, config: LoopConfig = NAIVE, *, images: int = 
     """
     device = _device(device)
     if not isinstance(config, LoopConfig):
-        raise TypeError(f"config must be a LoopConfig, got {type(config).__name__}")
+        raise TypeError(_("config must be a LoopConfig, got {type}").format(type=type(config).__name__))
     if batch_size is not None:
         if not isinstance(batch_size, int) or batch_size < 1:
-            raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+            raise ValueError(_("batch_size must be a positive int, got {batch_size!r}").format(batch_size=batch_size))
         config = replace(config, batch_size=batch_size)
     for name, value in (("images", images), ("repeats", repeats)):
         if not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be a positive int, got {value!r}")
+            raise ValueError(_("{name} must be a positive int, got {value!r}").format(name=name, value=value))
 
     steps = max(1, math.ceil(images / config.batch_size))
     with backend_flags(config, device):
@@ -265,15 +268,15 @@ def train_throughput(device, data, config: LoopConfig = NAIVE, *, images: int = 
         def chunk() -> float:
             if config.item_every_step:
                 running = 0.0
-                for _ in range(steps):
+                for _i in range(steps):
                     running += step().item()  # CPU-GPU sync point here, every step: the naive loop's cost
                 return running / steps
             total = torch.zeros((), device=device)
-            for _ in range(steps):
+            for _i in range(steps):
                 total += step()  # stays on the device: no sync
             return float(total) / steps  # one CPU-GPU sync point per chunk, like reading an epoch's mean loss
 
-        for _ in range(warmup_steps):
+        for _i in range(warmup_steps):
             step()
         m = measure(chunk, device=device, warmup=0, repeats=repeats)
     return steps * config.batch_size / m.median
@@ -391,13 +394,13 @@ def run_ladder(device, data, *, include_compile: bool = True, rounds: int = 1, *
     todo = []
     for rung in RUNGS:
         if rung.cuda_only and device.type != "cuda":
-            result.skipped[rung.name] = "needs a CUDA GPU"
+            result.skipped[rung.name] = _("needs a CUDA GPU")
         elif rung.compiles and not include_compile:
-            result.skipped[rung.name] = "left out of this run (compiling takes long on a CPU)"
+            result.skipped[rung.name] = _("left out of this run (compiling takes long on a CPU)")
         else:
             todo.append(rung)
     samples: dict[str, list[float]] = {r.name: [] for r in todo}
-    for _ in range(rounds):
+    for _i in range(rounds):
         for rung in todo:
             if rung.name in result.errors:
                 continue
@@ -419,7 +422,7 @@ def batch_size_sweep(device, data, sizes=(16, 64, 256), *, rounds: int = 1, **kw
     With `rounds` > 1 the sizes are measured in alternation and each keeps its median (see `run_ladder`).
     """
     samples: dict[int, list[float]] = {int(bs): [] for bs in sizes}
-    for _ in range(rounds):
+    for _i in range(rounds):
         for bs in samples:
             samples[bs].append(train_throughput(device, data, RESIDENT, batch_size=bs, **kwargs))
     return {bs: statistics.median(values) for bs, values in samples.items()}
@@ -436,8 +439,8 @@ def trace_events(trace) -> list[dict]:
     if isinstance(trace, (str, Path)):
         trace = json.loads(Path(trace).read_text())
     if not isinstance(trace, dict) or not isinstance(trace.get("traceEvents"), list):
-        raise ValueError("expected a Chrome trace: a JSON object with a 'traceEvents' list, as written by "
-                         "prof.export_chrome_trace(path)")
+        raise ValueError(_("expected a Chrome trace: a JSON object with a 'traceEvents' list, as written by "
+                           "prof.export_chrome_trace(path)"))
     return trace["traceEvents"]
 
 
@@ -471,8 +474,8 @@ def cuda_event_seconds(fn: Callable[[], object], *, warmup: int = 3, repeats: in
     stamps are read.
     """
     if not torch.cuda.is_available():
-        raise RuntimeError("CUDA events need a CUDA GPU; on other devices time with course_utils.timing.measure")
-    for _ in range(warmup):
+        raise RuntimeError(_("CUDA events need a CUDA GPU; on other devices time with course_utils.timing.measure"))
+    for _i in range(warmup):
         fn()
     torch.cuda.synchronize()
     pairs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(repeats)]
@@ -495,7 +498,7 @@ def train_step_flops(batch_size: int, *, model_fn: Callable[[], torch.nn.Module]
     from torch.utils.flop_counter import FlopCounterMode
 
     if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
-        raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+        raise ValueError(_("batch_size must be a positive int, got {batch_size!r}").format(batch_size=batch_size))
     with torch.device(device):
         model = model_fn()
         x = torch.randn(batch_size, *input_shape)
@@ -514,13 +517,14 @@ def matmul_peak_sweep(sizes, device="cpu", precision: str = "float32", *, repeat
     under `set_float32_matmul_precision("high")`, CUDA only, restored after), "bfloat16" or "float16" operands.
     With `conv_sweep`, what notebook 04 takes the peak measured here from."""
     if precision not in PRECISIONS:
-        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+        raise ValueError(_("precision must be one of {choices}, got {precision!r}").format(choices=PRECISIONS,
+                                                                                         precision=precision))
     device = _device(device)
     if precision == "float32":
         return matmul_sweep(sizes, device, repeats=repeats, min_run_time=min_run_time)
     if precision == "tf32":
         if device.type != "cuda":
-            raise ValueError("TF32 is a CUDA tensor-core format; on other devices measure 'float32'")
+            raise ValueError(_("TF32 is a CUDA tensor-core format; on other devices measure 'float32'"))
         with backend_flags(replace(NAIVE, tf32=True), device):
             return matmul_sweep(sizes, device, repeats=repeats, min_run_time=min_run_time)
     dtype = getattr(torch, precision)
@@ -541,10 +545,11 @@ def conv_sweep(device="cpu", precision: str = "float32", batch_sizes=(64, 256), 
     `torch.backends.cudnn.allow_tf32`, True by default). Convolutions and matrix products go through different
     libraries, and one may reach more of the chip than the other: notebook 04 takes the best of both as the peak."""
     if precision not in PRECISIONS:
-        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+        raise ValueError(_("precision must be one of {choices}, got {precision!r}").format(choices=PRECISIONS,
+                                                                                         precision=precision))
     device = _device(device)
     if precision == "tf32" and device.type != "cuda":
-        raise ValueError("TF32 is a CUDA tensor-core format; on other devices measure 'float32'")
+        raise ValueError(_("TF32 is a CUDA tensor-core format; on other devices measure 'float32'"))
     dtype = torch.float32 if precision in ("float32", "tf32") else getattr(torch, precision)
     convs = [m for m in CifarCNN().features if isinstance(m, torch.nn.Conv2d)]
     sides = (32, 16, 8)  # each convolution's input size (a 2x2 max-pool before the second and the third)
@@ -635,10 +640,10 @@ def time_to_accuracy(device, train, val, config: LoopConfig = RESIDENT, *, targe
     """
     device = _device(device)
     if not 0 < target <= 1:
-        raise ValueError(f"target must be an accuracy in (0, 1], got {target!r}")
+        raise ValueError(_("target must be an accuracy in (0, 1], got {target!r}").format(target=target))
     for name, value in (("max_epochs", max_epochs), ("eval_every", eval_every)):
         if not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be a positive int, got {value!r}")
+            raise ValueError(_("{name} must be a positive int, got {value!r}").format(name=name, value=value))
     _check_data(train, config.batch_size)
     _check_data(val, 1)
     precision = MixedPrecision(device, enabled=config.mixed_precision)
@@ -655,7 +660,7 @@ def time_to_accuracy(device, train, val, config: LoopConfig = RESIDENT, *, targe
         result.epoch_images = len(loader) * config.batch_size
         images, seconds, next_eval = 0, 0.0, eval_every
         synchronize(device)
-        for _ in range(max_epochs):
+        for _i in range(max_epochs):
             t0 = time.perf_counter()
             for x, y in loader:
                 step(x.contiguous(memory_format=memory_format), y)
@@ -701,7 +706,7 @@ def loader_epochs(loader, epochs: int = 2, device=None) -> list[EpochTiming]:
     includes the work queued there, not just its launch.
     """
     out = []
-    for _ in range(epochs):
+    for _i in range(epochs):
         t0 = time.perf_counter()
         first, images = None, 0
         for _x, y in loader:
@@ -711,6 +716,6 @@ def loader_epochs(loader, epochs: int = 2, device=None) -> list[EpochTiming]:
         synchronize(device)  # CPU-GPU sync point (a no-op for CPU batches)
         seconds = time.perf_counter() - t0
         if first is None:
-            raise ValueError("the loader produced no batches")
+            raise ValueError(_("the loader produced no batches"))
         out.append(EpochTiming(first, seconds, images))
     return out

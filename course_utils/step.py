@@ -26,6 +26,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from .i18n import _
+
 Batch = tuple[Any, Any]  # (inputs, targets); inputs a tensor or a tuple/list of tensors (several model inputs)
 
 
@@ -33,11 +35,11 @@ def batch_len(x) -> int:
     """Number of samples in `x`: a tensor's first dimension, or that of the first tensor of a tuple/list."""
     if isinstance(x, torch.Tensor):
         if x.dim() == 0:
-            raise ValueError("a batch must have a batch dimension (got a 0-d tensor)")
+            raise ValueError(_("a batch must have a batch dimension (got a 0-d tensor)"))
         return x.shape[0]
     if isinstance(x, (list, tuple)) and x and all(isinstance(t, torch.Tensor) for t in x):
         return batch_len(x[0])
-    raise TypeError(f"a batch must be a tensor or a tuple/list of tensors, got {type(x).__name__}")
+    raise TypeError(_("a batch must be a tensor or a tuple/list of tensors, got {type}").format(type=type(x).__name__))
 
 
 def split(x, size: int) -> list:
@@ -119,10 +121,10 @@ class TrainStep:
 
     def _weighted(self, batches: Sequence[Batch], chunk_size: int | None) -> list[torch.Tensor]:
         """Backward of every chunk of every batch, each weighted by its share of all the samples."""
-        sizes = [batch_len(y) for _, y in batches]
+        sizes = [batch_len(y) for _x, y in batches]
         total = sum(sizes)
         if total == 0:
-            raise ValueError("empty batch")
+            raise ValueError(_("empty batch"))
         chunks = []  # (batch index, inputs, targets, samples) for every chunk of every batch
         for b, ((inputs, targets), n) in enumerate(zip(batches, sizes)):
             if chunk_size is None or chunk_size >= n:

@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .i18n import _
+
 
 def synchronize(device=None) -> None:
     """Wait for queued work on `device` (a no-op on CPU). CPU-GPU sync point."""
@@ -45,8 +47,9 @@ class Measurement:
         return q[2] - q[0]
 
     def __repr__(self) -> str:
-        return (f"Measurement({self.label + ': ' if self.label else ''}median {format_seconds(self.median)}, "
-                f"IQR {format_seconds(self.iqr)}, {len(self.times)} runs)")
+        summary = _("median {median}, IQR {iqr}, {runs} runs").format(
+            median=format_seconds(self.median), iqr=format_seconds(self.iqr), runs=len(self.times))
+        return f"Measurement({self.label + ': ' if self.label else ''}{summary})"
 
 
 def format_seconds(s: float) -> str:
@@ -61,7 +64,7 @@ def measure(fn, *, device=None, warmup: int = 2, repeats: int = 7, min_run_time:
             label: str = "") -> Measurement:
     """Time `fn()` properly: `warmup` untimed calls, then `repeats` timed calls (more if needed to fill
     `min_run_time` seconds), each bracketed by a device synchronize. Returns a Measurement."""
-    for _ in range(warmup):
+    for _i in range(warmup):
         fn()
     synchronize(device)
     times = []
@@ -80,11 +83,11 @@ def measure_interleaved(fns: dict, *, device=None, warmup: int = 2, repeats: int
     """Time several callables in alternation (A B C A B C ...), so drift in clock speed or load
     affects them alike; returns {name: Measurement}. Use this for ratios."""
     for fn in fns.values():
-        for _ in range(warmup):
+        for _i in range(warmup):
             fn()
     synchronize(device)
     results = {name: Measurement([], name) for name in fns}
-    for _ in range(repeats):
+    for _i in range(repeats):
         for name, fn in fns.items():
             t0 = time.perf_counter()
             fn()

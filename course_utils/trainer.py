@@ -28,6 +28,7 @@ from .device import get_device
 from .loader_state import LoaderState
 from .memory import ResilientStep, check_fits, warn_if_too_big
 from .step import TrainStep, batch_len
+from .i18n import _
 
 __all__ = ["Callback", "CheckpointError", "StopTraining", "Trainer", "move_batch", "read_checkpoint"]
 
@@ -270,7 +271,7 @@ class Trainer:
         self.optimizer_steps += 1
         if after_step:
             self._emit(after_step)
-        for (_, targets), loss in zip(group, losses):
+        for (_inputs, targets), loss in zip(group, losses):
             n = batch_len(targets)
             self._loss_sum.add_(loss, alpha=n)  # one fused op: sum += n * loss
             self._samples += n
@@ -302,7 +303,7 @@ class Trainer:
         try:
             self._emit(hooks["on_train_start"])
             with _DeferInterrupt() as interrupt:
-                for _ in range(epochs):
+                for _epoch in range(epochs):
                     self._emit(hooks["on_epoch_start"])
                     mean_loss = self.train_epoch(interrupt, hooks)
                     if mean_loss is None:
@@ -322,7 +323,8 @@ class Trainer:
                     except StopTraining as exc:
                         self.stop_reason = _reason(exc)
                         if self.is_main:
-                            print(f"Training stopped after epoch {self.epoch}: {self.stop_reason}.")
+                            print(_("Training stopped after epoch {epoch}: {reason}.").format(
+                                epoch=self.epoch, reason=self.stop_reason))
                         break
         finally:
             self._emit(hooks["on_train_end"])
@@ -331,23 +333,25 @@ class Trainer:
     def where(self) -> str:
         """Where training stands, in words: 'epoch 2, batch 13 of 40'."""
         try:
-            of = f" of {len(self.train_loader)}"
+            total = len(self.train_loader)
         except TypeError:
-            of = ""
-        return f"epoch {self.epoch + 1}, batch {self.batch_in_epoch}{of}"
+            return _("epoch {epoch}, batch {batch}").format(epoch=self.epoch + 1, batch=self.batch_in_epoch)
+        return _("epoch {epoch}, batch {batch} of {total}").format(epoch=self.epoch + 1, batch=self.batch_in_epoch,
+                                                                   total=total)
 
     def _stopped_early(self) -> None:
         if not self.is_main:
             self.interrupted = self.stop_reason is None
             return
         if self.stop_reason is not None:
-            print(f"Training stopped at {self.where()}: {self.stop_reason}. Call the trainer again to continue.")
+            print(_("Training stopped at {where}: {reason}. Call the trainer again to continue.").format(
+                where=self.where(), reason=self.stop_reason))
             return
         self.interrupted = True
         saved = any(isinstance(cb, Checkpoint) for cb in self.callbacks)
-        hint = "" if saved else " (pass checkpoint=... to also save it to a file)"
-        print(f"Training interrupted at {self.where()}. The model is usable; call the trainer again to continue "
-              f"where it stopped{hint}.")
+        hint = "" if saved else _(" (pass checkpoint=... to also save it to a file)")
+        print(_("Training interrupted at {where}. The model is usable; call the trainer again to continue "
+                "where it stopped{hint}.").format(where=self.where(), hint=hint))
 
     @torch.no_grad()
     def evaluate(self, loader) -> dict:
@@ -459,6 +463,6 @@ class Trainer:
         try:
             self.load_state_dict(state)
         except (KeyError, RuntimeError, ValueError, TypeError) as exc:
-            raise CheckpointError(f"checkpoint '{path}' does not fit this trainer: {type(exc).__name__}: "
-                                  f"{exc}") from None
+            raise CheckpointError(_("checkpoint '{path}' does not fit this trainer: {error}: {message}").format(
+                path=path, error=type(exc).__name__, message=exc)) from None
         return self

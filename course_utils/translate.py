@@ -3,6 +3,7 @@
     python -m course_utils.translate update   # new or changed English text -> entries in the catalogs
     python -m course_utils.translate check    # every unit translated and current? exit 1 and say which if not
     python -m course_utils.translate build    # notebooks/zh-CN/NN_*.ipynb from the English ones (no outputs)
+    python -m course_utils.translate build --execute   # ... and run each from a fresh kernel, outputs saved
 
 The English notebooks are the source. Each notebook has a catalog, `notebooks/locale/zh_CN/NN_name.po`, with one
 entry per unit a learner reads:
@@ -40,15 +41,19 @@ import tokenize
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["LANGUAGE", "Problem", "Unit", "build_notebook", "catalog_path", "check", "code_units", "glossary",
-           "load_glossary", "main", "notebook_units", "translate_notebook", "update_catalog"]
+__all__ = ["LANGUAGE", "Problem", "Unit", "build_notebook", "catalog_path", "check", "check_messages", "code_units",
+           "execute_notebook", "glossary",
+           "load_catalog", "load_glossary", "main", "notebook_units", "translate_notebook", "update_catalog",
+           "update_messages"]
 
 LANGUAGE = "zh-CN"
 NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
 FIRST_CELL_LINES = ('from course_utils import set_language\n'
                     'set_language("zh-CN")  # 课程工具包 course_utils 的提示、诊断与反馈均以中文显示\n')
 _CJK = re.compile(r"[\u3400-\u9fff]")
-_PROSE = re.compile(r"[A-Za-z]{2,}[^\S\n]+[A-Za-z(\[`'\"]")  # two or more words: a phrase, not an identifier
+# Text, not an identifier or an option: a word and something else separated by a space ("epoch 1", "{n} workers",
+# "images / s"), or a word ending in a colon ("buggy:"). Single words ("mean", "cuda") are left as code.
+_PROSE = re.compile(r"[A-Za-z]{2,}[^\S\n]+\S|\S[^\S\n]+[A-Za-z]{2,}|^\W*[A-Za-z]{2,}[^\w\n]*:\W*$")
 _DIRECTIVE = re.compile(r"#\s*(NBVAL_|noqa|type:|fmt:|pragma|%%|-\*-|!)")
 
 
@@ -140,7 +145,7 @@ def _string_body(literal: str) -> str:
     """The text of a string literal without its prefix, quotes and {fields}."""
     body = re.sub(r"^[A-Za-z]*('''|\"\"\"|'|\")", "", literal)
     body = re.sub(r"('''|\"\"\"|'|\")$", "", body)
-    return re.sub(r"\{[^{}]*\}", " ", body)
+    return re.sub(r"\{[^{}]*\}", "X", body)
 
 
 def _fields(literal: str) -> list[str]:
@@ -233,7 +238,7 @@ def update_catalog(notebook: Path) -> tuple[int, int, int]:
     return new, stale, dropped
 
 
-def _load_catalog(notebook: Path):
+def load_catalog(notebook: Path):
     import polib
 
     path = catalog_path(notebook)
@@ -307,7 +312,7 @@ def check(notebooks: list[Path] | None = None, *, with_glossary: bool = True) ->
     problems: list[Problem] = []
     for notebook in notebooks:
         nb = json.loads(notebook.read_text(encoding="utf-8"))
-        po = _load_catalog(notebook)
+        po = load_catalog(notebook)
         name = notebook.name
         if po is None:
             problems.append(Problem(name, "-", "missing", f"no catalog {catalog_path(notebook).name}: run "
@@ -481,24 +486,38 @@ def translate_notebook(nb: dict, po, *, strict: bool = True, source_name: str = 
 def build_notebook(notebook: Path, out_dir: Path | None = None, *, keep_outputs_from: Path | None = None) -> Path:
     """Write the Chinese edition of `notebook` (sources only; outputs cleared) and return its path."""
     nb = json.loads(notebook.read_text(encoding="utf-8"))
-    zh = translate_notebook(nb, _load_catalog(notebook), source_name=notebook.name)
+    zh = translate_notebook(nb, load_catalog(notebook), source_name=notebook.name)
     for cell in zh["cells"]:
         if cell["cell_type"] == "code":
             cell["outputs"], cell["execution_count"] = [], None
     out_dir = out_dir or notebook.parent / LANGUAGE
     out_dir.mkdir(parents=True, exist_ok=True)
     target = out_dir / notebook.name
-    target.write_text(json.dumps(zh, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+    target.write_text(json.dumps(zh, sort_keys=True, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
     return target
+
+
+def execute_notebook(path: Path, timeout: int = 600) -> None:
+    """Run a notebook top to bottom in a fresh kernel from its folder and save it with its outputs (no widget
+    state), as `jupyter nbconvert --execute --inplace` does."""
+    import nbformat
+    from nbclient import NotebookClient
+
+    nb = nbformat.read(path, as_version=4)
+    NotebookClient(nb, timeout=timeout, kernel_name="python3", store_widget_state=False,
+                   resources={"metadata": {"path": str(path.parent)}}).execute()
+    nb.metadata.pop("widgets", None)
+    path.write_text(json.dumps(nb, sort_keys=True, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m course_utils.translate", description=__doc__.split("\n\n")[0])
     parser.add_argument("command", choices=["update", "check", "build", "messages"])
     parser.add_argument("notebooks", nargs="*", type=Path, help="English notebooks (default: all in notebooks/)")
+    parser.add_argument("--execute", action="store_true", help="build: also run each built notebook, saving outputs")
     parser.add_argument("--no-glossary", action="store_true", help="check: skip the glossary test")
     parser.add_argument("--modules", nargs="+", type=Path, help="messages/check: only these course_utils modules' catalogs")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)
     notebooks = args.notebooks or sorted(NOTEBOOKS.glob("[0-9][0-9]_*.ipynb"))
     if args.command == "update":
         for nb in notebooks:
@@ -518,7 +537,7 @@ def main(argv: list[str] | None = None) -> int:
                 problems += check_messages(with_glossary=glossary_too)
         for p in problems:
             print(p)
-        print(f"{len(problems)} problem(s) in {len(notebooks)} notebook(s)")
+        print(f"{len(problems)} problem(s)")
         return 1 if problems else 0
     problems = [p for p in check(notebooks, with_glossary=False) if p.kind != "glossary"]
     if problems:
@@ -527,7 +546,10 @@ def main(argv: list[str] | None = None) -> int:
         print("not built: fix the catalogs first (python -m course_utils.translate check)", file=sys.stderr)
         return 1
     for nb in notebooks:
-        print(build_notebook(nb).relative_to(nb.parent.parent))
+        target = build_notebook(nb)
+        if args.execute:
+            execute_notebook(target)
+        print(target.relative_to(nb.parent.parent))
     return 0
 
 

@@ -5,11 +5,12 @@ from pathlib import Path
 
 import pytest
 
-NOTEBOOKS = sorted((Path(__file__).resolve().parents[1] / "notebooks").glob("[0-9][0-9]_*.ipynb"))
+FOLDER = Path(__file__).resolve().parents[1] / "notebooks"
+NOTEBOOKS = sorted(FOLDER.glob("[0-9][0-9]_*.ipynb")) + sorted(FOLDER.glob("zh-CN/[0-9][0-9]_*.ipynb"))
 MACHINE_PATH = re.compile(r"/root/|/tmp/|/home/\w+/|/Users/\w+/|/work/")
 
 
-@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[f"{p.parent.name}/{p.stem}" for p in NOTEBOOKS])
 def test_notebook_is_a_clean_fresh_run(path):
     nb = json.loads(path.read_text())
     assert nb["metadata"]["kernelspec"]["name"] == "python3"

@@ -31,6 +31,7 @@ from torch.nn.parallel import DistributedDataParallel
 from course_utils import distributed
 from course_utils.callbacks import Callback
 from course_utils.data import TensorLoader, synthetic_digits
+from course_utils.i18n import _
 from course_utils.trainer import Trainer
 
 
@@ -64,7 +65,7 @@ def replicas(args, device_type: str) -> dict:
     # Training steps on different data on each rank: the gradients are averaged, so the updates are the same.
     optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1)
     g = torch.Generator().manual_seed(100 + process.rank)
-    for _ in range(3):
+    for _i in range(3):
         x = (torch.randn(16, 1, 28, 28, generator=g) + process.rank).to(device)  # rank 1's inputs are shifted
         y = torch.randint(0, 10, (16,), generator=g).to(device)
         optimizer.zero_grad()
@@ -113,7 +114,7 @@ class BadBatchOnRank1(Callback):
 
     def on_batch_end(self, trainer, loss):
         if trainer.process.rank == 1 and trainer.batches_trained == 3:
-            raise ValueError("rank 1: batch 3 has labels outside 0..9")
+            raise ValueError("rank 1: batch 3 has labels outside 0..9")  # English: notebook 08 compares it
 
 
 def fail_on_rank1(device_type: str) -> None:
@@ -132,12 +133,12 @@ def skip_a_collective(then: str) -> None:
     counts = torch.bincount(labels, minlength=10).float()
     if process.is_main:
         counts = distributed.all_sum(counts, process)  # BUG: only rank 0 calls this all-reduce
-        print("class counts:", counts.tolist(), flush=True)
+        print(_("class counts: {counts}").format(counts=counts.tolist()), flush=True)
     if then == "barrier":
         distributed.barrier(process)  # every rank: wait for the others before leaving
     else:
         sums = distributed.all_sum(torch.tensor([float(len(labels)), 0.0]), process)  # every rank: the epoch's sums
-        print(f"rank {process.rank}: samples {sums[0].item():.0f}", flush=True)
+        print(_("rank {rank}: samples {samples:.0f}").format(rank=process.rank, samples=sums[0].item()), flush=True)
 
 
 # --- exercise 08.3: each snippet, run for real ------------------------------------------------------

@@ -24,6 +24,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from course_utils import distributed
+from course_utils.i18n import _
 
 
 def build_mlp() -> nn.Sequential:
@@ -90,7 +91,7 @@ def main(argv=None) -> dict:
     device_type = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     process = distributed.setup(device_type)
     if process is None:
-        raise SystemExit("launch this with torchrun and 2 or more processes")
+        raise SystemExit(_("launch this with torchrun and 2 or more processes"))
     device = distributed.device_for(process, device_type)
 
     torch.manual_seed(0)

@@ -19,12 +19,16 @@ from collections import Counter
 
 import torch
 
+from ..i18n import N_, _
+
+# The labels are the keys of HostReads.counts (English); describe() shows them translated.
 _LABELS = {
     torch.Tensor.item: ".item()", torch.Tensor.tolist: ".tolist()", torch.Tensor.numpy: ".numpy()",
-    torch.Tensor.__array__: "a NumPy conversion", torch.Tensor.__float__: "float()", torch.Tensor.__int__: "int()",
-    torch.Tensor.__index__: "int()", torch.Tensor.__complex__: "complex()", torch.Tensor.__bool__: "bool() (an if)",
-    torch.Tensor.__contains__: "`in`", torch.Tensor.__repr__: "print() or str()",
-    torch.Tensor.__format__: "formatting (an f-string)", torch.Tensor.cpu: ".cpu()",
+    torch.Tensor.__array__: N_("a NumPy conversion"), torch.Tensor.__float__: "float()",
+    torch.Tensor.__int__: "int()", torch.Tensor.__index__: "int()", torch.Tensor.__complex__: "complex()",
+    torch.Tensor.__bool__: N_("bool() (an if)"), torch.Tensor.__contains__: "`in`",
+    torch.Tensor.__repr__: N_("print() or str()"), torch.Tensor.__format__: N_("formatting (an f-string)"),
+    torch.Tensor.cpu: ".cpu()",
 }
 
 _active: list["HostReads"] = []
@@ -51,7 +55,7 @@ def _label(func, args, kwargs) -> str | None:
         return None
     if func is torch.Tensor.copy_ and len(args) > 1:
         if not isinstance(args[0], DeviceTensor) and isinstance(args[1], DeviceTensor):
-            return "copy_ into a CPU tensor"
+            return N_("copy_ into a CPU tensor")
     return None
 
 
@@ -89,7 +93,7 @@ class HostReads:
         return sum(self.counts.values())
 
     def describe(self) -> str:
-        return ", ".join(f"{label} x{n}" for label, n in self.counts.most_common())
+        return ", ".join(f"{_(label)} x{n}" for label, n in self.counts.most_common())
 
     def __enter__(self) -> "HostReads":
         _active.append(self)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import types
 
 from ..environment import build_supports_gpu, driver_runs_build
+from ..i18n import N_, _, get_language, speaking
 from .core import Exercise, Incorrect, Mistake, call, describe, register
 
 VERDICTS = ("ok", "cpu-only build", "driver too old", "gpu too old for this build", "gpu too new for this build")
@@ -57,11 +58,18 @@ _MACHINES = [  # (GPU, torch build, driver)
 ]
 
 
-def _case(gpu: str, build: str, driver: str) -> tuple[str, dict]:
+def _case(gpu: str, build: str, driver: str) -> tuple[tuple[str, str, str], dict]:
     torch_cuda, arch_list = _BUILDS[build]
     facts = {"torch_cuda": torch_cuda, "driver_cuda": _DRIVERS[driver], "driver_version": driver,
              "capability": _GPUS[gpu], "arch_list": list(arch_list)}
-    return f"{gpu} ({_GPUS[gpu]}) with torch {build} on driver {driver}", facts
+    return (gpu, build, driver), facts
+
+
+def _label(machine: tuple[str, str, str]) -> str:
+    """A recorded machine in words, for feedback (in the language being spoken)."""
+    gpu, build, driver = machine
+    return _("{gpu} ({capability}) with torch {build} on driver {driver}").format(
+        gpu=gpu, capability=_GPUS[gpu], build=build, driver=driver)
 
 
 CASES = [_case(*machine) for machine in _MACHINES]
@@ -75,10 +83,12 @@ def expected_verdict(facts: dict) -> str:
     """The answer key: course_utils.environment's rules, applied in the exercise's order."""
     if facts["torch_cuda"] is None:
         return "cpu-only build"
-    ok, _ = driver_runs_build(_version(facts["torch_cuda"]), _version(facts["driver_cuda"]), facts["driver_version"])
+    ok, _why = driver_runs_build(_version(facts["torch_cuda"]), _version(facts["driver_cuda"]),
+                                 facts["driver_version"])
     if not ok:
         return "driver too old"
-    ok, why = build_supports_gpu(_version(facts["capability"]), facts["arch_list"])
+    with speaking("en"):  # `why` is read below: its English wording, whatever language is being spoken
+        ok, why = build_supports_gpu(_version(facts["capability"]), facts["arch_list"])
     if ok:
         return "ok"
     return "gpu too old for this build" if "too old" in why else "gpu too new for this build"
@@ -180,20 +190,20 @@ _MISTAKES = [
 
 # What each mistake means, said when the learner's verdicts follow it (same order as _MISTAKES).
 _EXPLANATIONS = [
-    "an exact match of the CUDA versions is not required: a driver runs code built for its own CUDA version or "
-    "any older one (backward compatibility), and, from CUDA 11, a newer minor release of its major release",
-    "the driver's CUDA version may be older than the build's within the same major release: minor-version "
-    "compatibility (CUDA 11 and later) runs 12.8 code on a 12.2 driver of branch 525 or newer",
-    "versions compared as text: as strings, \"10.0\" < \"9.0\" and \"10.0\" < \"7.5\" (so sm_100 passes for a "
-    "build's oldest entry); turn them into tuples of numbers first, (10, 0) > (9, 0)",
-    "driver_cuda is nvidia-smi's \"CUDA Version\", the newest CUDA the driver supports; the CUDA this torch was "
-    "built with is torch_cuda (torch.version.cuda, None on a CPU-only build)",
-    "machine code runs on every GPU of the same major version and an equal or higher minor: sm_86 code runs on an "
-    "8.9 GPU, so an exact sm_89 is not needed",
-    "machine code runs only within its major version, never across a major version: sm_90 code does not run on a "
-    "10.0 GPU (only PTX, compute_XY, is compiled for newer GPUs, and these lists have none)",
-    "the GPU was judged before the driver; report the first problem, in the order build, then the driver, then the "
-    "GPU: on a driver too old for the build CUDA does not start, so the GPU's code is never tried",
+    N_("an exact match of the CUDA versions is not required: a driver runs code built for its own CUDA version or "
+       "any older one (backward compatibility), and, from CUDA 11, a newer minor release of its major release"),
+    N_("the driver's CUDA version may be older than the build's within the same major release: minor-version "
+       "compatibility (CUDA 11 and later) runs 12.8 code on a 12.2 driver of branch 525 or newer"),
+    N_("versions compared as text: as strings, \"10.0\" < \"9.0\" and \"10.0\" < \"7.5\" (so sm_100 passes for a "
+       "build's oldest entry); turn them into tuples of numbers first, (10, 0) > (9, 0)"),
+    N_("driver_cuda is nvidia-smi's \"CUDA Version\", the newest CUDA the driver supports; the CUDA this torch was "
+       "built with is torch_cuda (torch.version.cuda, None on a CPU-only build)"),
+    N_("machine code runs on every GPU of the same major version and an equal or higher minor: sm_86 code runs on an "
+       "8.9 GPU, so an exact sm_89 is not needed"),
+    N_("machine code runs only within its major version, never across a major version: sm_90 code does not run on a "
+       "10.0 GPU (only PTX, compute_XY, is compiled for newer GPUs, and these lists have none)"),
+    N_("the GPU was judged before the driver; report the first problem, in the order build, then the driver, then the "
+       "GPU: on a driver too old for the build CUDA does not start, so the GPU's code is never tried"),
 ]
 
 _HELPERS = {"driver_runs_build", "build_supports_gpu", "diagnose", "gpu_support_problems", "describe_environment",
@@ -214,48 +224,57 @@ def _names_used(fn) -> set[str]:
 def _run_all(fn, name: str = "diagnose_stack") -> list[str]:
     """The verdict of `fn` for every recorded machine, or "!" and what it raised. An answer that is no verdict is
     feedback at once."""
+    # core.call's feedback for an exception the answer raised begins so (in the language being spoken)
+    raised = _("calling {call} raised {error}: {message}").split("{call}")[0]
     answers = []
-    for label, facts in CASES:
+    for machine, facts in CASES:
         try:
             got = call(fn, {**facts, "arch_list": list(facts["arch_list"])}, name=name)
         except Incorrect as exc:
-            if not str(exc).startswith("calling "):  # not an exception of the answer's own (a changed argument)
+            if not str(exc).startswith(raised):  # not an exception of the answer's own (a changed argument)
                 raise
             answers.append("!" + str(exc))
             continue
         if not isinstance(got, str) or got not in VERDICTS:
-            raise Incorrect(f"for {label}, {name} returned {describe(got)}; return one of "
-                            + ", ".join(repr(v) for v in VERDICTS))
+            raise Incorrect(_("for {label}, {name} returned {value}; return one of {verdicts}").format(
+                label=_label(machine), name=name, value=describe(got),
+                verdicts=", ".join(repr(v) for v in VERDICTS)))
         answers.append(got)
     return answers
 
 
-_EXPECTED = [expected_verdict(facts) for _, facts in CASES]
-_MISTAKE_ANSWERS: list[list[str]] = []  # filled on first use: each mistake's verdicts on CASES
+_EXPECTED = [expected_verdict(facts) for _machine, facts in CASES]
+# filled on first use, per language (an answer's exception is told in it): each mistake's verdicts on CASES
+_MISTAKE_ANSWERS: dict[str, list[list[str]]] = {}
 
 
 def _mistake_answers() -> list[list[str]]:
-    if not _MISTAKE_ANSWERS:
+    language = get_language()
+    if language not in _MISTAKE_ANSWERS:
+        answers = []
         for mistake in _MISTAKES:
             ns: dict = {}
             exec(compile(mistake.code, "<mistake 00.1>", "exec"), ns)
-            _MISTAKE_ANSWERS.append(_run_all(ns["diagnose_stack"]))
-    return _MISTAKE_ANSWERS
+            answers.append(_run_all(ns["diagnose_stack"]))
+        _MISTAKE_ANSWERS[language] = answers
+    return _MISTAKE_ANSWERS[language]
 
 
 def _check_diagnose_stack(diagnose_stack):
     if isinstance(diagnose_stack, type) or not callable(diagnose_stack):
-        raise Incorrect(f"diagnose_stack should be a function (written with `def diagnose_stack(facts):`), got "
-                        f"{describe(diagnose_stack)}")
+        raise Incorrect(_("diagnose_stack should be a function (written with `def diagnose_stack(facts):`), got "
+                          "{value}").format(value=describe(diagnose_stack)))
     helpers = sorted(_names_used(diagnose_stack) & _HELPERS)
     if helpers:
-        raise Incorrect(f"diagnose_stack calls {', '.join(helpers)}, the checker's answer key: write the rules "
-                        "yourself (versions as numbers, the driver's compatibility, the GPU against arch_list)")
+        raise Incorrect(_("diagnose_stack calls {helpers}, the checker's answer key: write the rules yourself "
+                          "(versions as numbers, the driver's compatibility, the GPU against arch_list)").format(
+                              helpers=", ".join(helpers)))
     answers = _run_all(diagnose_stack)
     wrong = [i for i, (got, want) in enumerate(zip(answers, _EXPECTED)) if got != want]
     if not wrong:
-        return (f"all {len(CASES)} recorded machines get course_utils.environment's verdict: backward and "
-                "minor-version compatibility for the driver, same-major machine code for the GPU")
+        return _("all {total} recorded machines get course_utils.environment's verdict: backward and "
+                 "minor-version compatibility for the driver, same-major machine code for the GPU").format(
+                     total=len(CASES))
     best = None  # (agreement, explanation, first failure it explains)
     for explanation, theirs in zip(_EXPLANATIONS, _mistake_answers()):
         explained = [i for i in wrong if theirs[i] == answers[i]]
@@ -264,12 +283,15 @@ def _check_diagnose_stack(diagnose_stack):
             if best is None or agreement > best[0]:
                 best = (agreement, explanation, explained[0])
     i = best[2] if best else wrong[0]
-    label, facts = CASES[i]
-    message = (f"{len(wrong)} of {len(CASES)} recorded machines get a wrong verdict; for example {label} "
-               f"({_facts_text(facts)}): expected {_EXPECTED[i]!r}, but "
-               + (answers[i][1:] if answers[i].startswith("!") else f"your function returned {answers[i]!r}"))
+    machine, facts = CASES[i]
+    outcome = (answers[i][1:] if answers[i].startswith("!")
+               else _("your function returned {verdict!r}").format(verdict=answers[i]))
+    message = _("{wrong} of {total} recorded machines get a wrong verdict; for example {label} ({facts}): "
+                "expected {expected!r}, but {outcome}").format(
+                    wrong=len(wrong), total=len(CASES), label=_label(machine), facts=_facts_text(facts),
+                    expected=_EXPECTED[i], outcome=outcome)
     if best:
-        message += f". Likely mistake: {best[1]}"
+        message += _(". Likely mistake: {explanation}").format(explanation=_(best[1]))
     raise Incorrect(message)
 
 
@@ -279,16 +301,16 @@ def _facts_text(facts: dict) -> str:
 
 
 register(Exercise(
-    id="00.1", title="Diagnose a machine's GPU stack", answer="diagnose_stack",
+    id="00.1", title=N_("Diagnose a machine's GPU stack"), answer="diagnose_stack",
     blank=_DOC + "    raise NotImplementedError  # your code here\n",
     solution=_SOLUTION,
     checker=_check_diagnose_stack,
-    hints=["Turn each version into a tuple of numbers first: tuple(int(p) for p in \"12.8\".split(\".\")) is "
-           "(12, 8), and tuples compare as versions do; strings do not (\"10.0\" < \"9.0\").",
-           "The driver is new enough when its CUDA version is the build's or newer, or, from CUDA 11, has the same "
-           "major number (minor-version compatibility) and a branch (the driver version before its first dot) of "
-           "at least 450, 525 or 580 for CUDA 11, 12 or 13.",
-           "\"sm_86\" is machine code for 8.6: it runs on a GPU with major 8 and minor 6 or more. When no entry "
-           "runs, the GPU is too old if it is below the oldest entry, and too new otherwise."],
+    hints=[N_("Turn each version into a tuple of numbers first: tuple(int(p) for p in \"12.8\".split(\".\")) is "
+              "(12, 8), and tuples compare as versions do; strings do not (\"10.0\" < \"9.0\")."),
+           N_("The driver is new enough when its CUDA version is the build's or newer, or, from CUDA 11, has the "
+              "same major number (minor-version compatibility) and a branch (the driver version before its first "
+              "dot) of at least 450, 525 or 580 for CUDA 11, 12 or 13."),
+           N_("\"sm_86\" is machine code for 8.6: it runs on a GPU with major 8 and minor 6 or more. When no entry "
+              "runs, the GPU is too old if it is below the oldest entry, and too new otherwise.")],
     mistakes=_MISTAKES,
 ))

@@ -13,6 +13,7 @@ import warnings
 
 import torch
 
+from ..i18n import N_, _
 from .core import Exercise, Incorrect, Mistake, call, describe, register
 
 
@@ -20,7 +21,8 @@ from .core import Exercise, Incorrect, Mistake, call, describe, register
 
 def _require_class(answer, name: str) -> type:
     if not isinstance(answer, type):
-        raise Incorrect(f"{name} should be a class (written with `class {name}:`), got {describe(answer)}")
+        raise Incorrect(_("{name} should be a class (written with `class {name}:`), got {value}").format(
+            name=name, value=describe(answer)))
     return answer
 
 
@@ -29,7 +31,7 @@ def _as_float(value, label: str) -> float:
     if isinstance(value, torch.Tensor) and value.numel() == 1:
         return float(value)
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise Incorrect(f"{label} should return a number, got {describe(value)}")
+        raise Incorrect(_("{label} should return a number, got {value}").format(label=label, value=describe(value)))
     return float(value)
 
 
@@ -44,27 +46,29 @@ def _check_scale(Scale):
     s = call(Scale, 3, name="Scale")
     if not callable(s):
         if "__call__" in getattr(s, "__dict__", {}):
-            raise Incorrect("Scale(3) has an instance attribute named __call__, yet callable(Scale(3)) is False: "
-                            "likely mistake: special methods are looked up on the type, not on the instance; "
-                            "define `def __call__(self, x):` in the class body")
-        raise Incorrect("Scale(3) is not callable: define a method `__call__(self, x)` in the class body")
+            raise Incorrect(_("Scale(3) has an instance attribute named __call__, yet callable(Scale(3)) is False: "
+                              "likely mistake: special methods are looked up on the type, not on the instance; "
+                              "define `def __call__(self, x):` in the class body"))
+        raise Incorrect(_("Scale(3) is not callable: define a method `__call__(self, x)` in the class body"))
     out = call(s, 2, name="Scale(3)")
     if out is None:
-        raise Incorrect("Scale(3)(2) returned None: likely mistake: printing the result instead of returning it")
+        raise Incorrect(_("Scale(3)(2) returned None: likely mistake: printing the result instead of returning it"))
     value = _as_float(out, "Scale(3)(2)")
     if value == 2:
-        raise Incorrect("Scale(3)(2) returned 2, its input unchanged: likely mistake: the factor is ignored "
-                        "(use self.factor)")
+        raise Incorrect(_("Scale(3)(2) returned 2, its input unchanged: likely mistake: the factor is ignored "
+                          "(use self.factor)"))
     if value != 6:
-        raise Incorrect(f"Scale(3)(2) should be 6, got {out!r}")
+        raise Incorrect(_("Scale(3)(2) should be 6, got {value!r}").format(value=out))
     half = call(call(Scale, 0.5, name="Scale"), 4, name="Scale(0.5)")
     if _as_float(half, "Scale(0.5)(4)") != 2.0:
-        raise Incorrect(f"Scale(0.5)(4) should be 2.0, got {half!r}: is the factor stored per instance?")
+        raise Incorrect(_("Scale(0.5)(4) should be 2.0, got {value!r}: is the factor stored per instance?").format(
+            value=half))
     t = torch.tensor([1.0, -2.0])
     out_t = call(s, t, name="Scale(3)")
     if not isinstance(out_t, torch.Tensor) or not torch.equal(out_t, t * 3):
-        raise Incorrect(f"Scale(3)(tensor([1., -2.])) should be tensor([3., -6.]), got {describe(out_t)}")
-    return "Scale(3)(x) runs type(s).__call__(s, x), and works on numbers and tensors alike"
+        raise Incorrect(_("Scale(3)(tensor([1., -2.])) should be tensor([3., -6.]), got {value}").format(
+            value=describe(out_t)))
+    return _("Scale(3)(x) runs type(s).__call__(s, x), and works on numbers and tensors alike")
 
 
 _SCALE_HEAD = ("class Scale:\n"
@@ -73,12 +77,12 @@ _SCALE_HEAD = ("class Scale:\n"
                "        self.factor = factor\n")
 
 register(Exercise(
-    id="01.1", title="A callable class", answer="Scale",
+    id="01.1", title=N_("A callable class"), answer="Scale",
     blank=_SCALE_HEAD + "\n    def __call__(self, x):\n        raise NotImplementedError  # your code here\n",
     solution=_SCALE_HEAD + "\n    def __call__(self, x):\n        return x * self.factor\n",
     checker=_check_scale,
-    hints=["Python turns `s(x)` into `type(s).__call__(s, x)`: the method must be defined in the class body.",
-           "Inside __call__, the factor given to __init__ is available as `self.factor`."],
+    hints=[N_("Python turns `s(x)` into `type(s).__call__(s, x)`: the method must be defined in the class body."),
+           N_("Inside __call__, the factor given to __init__ is available as `self.factor`.")],
     mistakes=[
         Mistake("class Scale:\n    def __init__(self, factor):\n        self.factor = factor\n"
                 "        self.__call__ = lambda x: x * factor\n", "looked up on the type"),
@@ -95,24 +99,26 @@ def _check_running_mean_class(RunningMean):
     _require_class(RunningMean, "RunningMean")
     m = call(RunningMean, name="RunningMean")
     if not callable(m):
-        raise Incorrect("RunningMean() is not callable: define `__call__(self, x)` in the class body")
+        raise Incorrect(_("RunningMean() is not callable: define `__call__(self, x)` in the class body"))
     outs = [_as_float(call(m, x, name="running_mean"), f"running_mean({x})") for x in (2, 4, 9)]
     if outs == [2.0, 4.0, 9.0]:
-        raise Incorrect("the calls with 2, 4, 9 returned 2, 4, 9 (each latest value): likely mistake: the state "
-                        "is reset inside __call__ instead of kept on self between calls")
+        raise Incorrect(_("the calls with 2, 4, 9 returned 2, 4, 9 (each latest value): likely mistake: the state "
+                          "is reset inside __call__ instead of kept on self between calls"))
     if all(_close(a, b) for a, b in zip(outs, [2.0, 6.0, 15.0])):
-        raise Incorrect("the calls with 2, 4, 9 returned 2, 6, 15, the running total: likely mistake: self.count "
-                        "is never increased, so the total is divided by 1 (or not at all)")
+        raise Incorrect(_("the calls with 2, 4, 9 returned 2, 6, 15, the running total: likely mistake: self.count "
+                          "is never increased, so the total is divided by 1 (or not at all)"))
     if all(_close(a, b) for a, b in zip(outs[1:], [2.0, 3.0])):
-        raise Incorrect(f"the calls with 2, 4, 9 returned {outs}: each call returns the mean before x was added: "
-                        "likely mistake: the mean is computed before self.total and self.count are updated")
+        raise Incorrect(_("the calls with 2, 4, 9 returned {values}: each call returns the mean before x was added: "
+                          "likely mistake: the mean is computed before self.total and self.count are updated").format(
+                              values=outs))
     if not all(_close(a, b) for a, b in zip(outs, [2.0, 3.0, 5.0])):
-        raise Incorrect(f"calling with 2, then 4, then 9 should return 2, 3, 5 (the mean so far), got {outs}")
+        raise Incorrect(_("calling with 2, then 4, then 9 should return 2, 3, 5 (the mean so far), got {values}").format(
+            values=outs))
     fresh = _as_float(call(call(RunningMean, name="RunningMean"), 10, name="running_mean"), "running_mean(10)")
     if not _close(fresh, 10.0):
-        raise Incorrect(f"a new RunningMean() called with 10 returned {fresh}, not 10: likely mistake: the state "
-                        "lives on the class (shared by every instance) instead of on self")
-    return "each instance keeps its own total and count between calls"
+        raise Incorrect(_("a new RunningMean() called with 10 returned {value}, not 10: likely mistake: the state "
+                          "lives on the class (shared by every instance) instead of on self").format(value=fresh))
+    return _("each instance keeps its own total and count between calls")
 
 
 _RM_HEAD = ("class RunningMean:\n"
@@ -122,13 +128,13 @@ _RM_HEAD = ("class RunningMean:\n"
             "        self.count = 0\n")
 
 register(Exercise(
-    id="01.2", title="State kept on the instance", answer="RunningMean",
+    id="01.2", title=N_("State kept on the instance"), answer="RunningMean",
     blank=_RM_HEAD + "\n    def __call__(self, x):\n        raise NotImplementedError  # your code here\n",
     solution=_RM_HEAD + ("\n    def __call__(self, x):\n        self.total += x\n        self.count += 1\n"
                          "        return self.total / self.count\n"),
     checker=_check_running_mean_class,
-    hints=["Update self.total and self.count, then return their ratio.",
-           "Do not assign 0 to them inside __call__: __init__ runs once, __call__ runs on every call."],
+    hints=[N_("Update self.total and self.count, then return their ratio."),
+           N_("Do not assign 0 to them inside __call__: __init__ runs once, __call__ runs on every call.")],
     mistakes=[
         Mistake(_RM_HEAD + ("\n    def __call__(self, x):\n        self.total, self.count = 0.0, 0\n"
                             "        self.total += x\n        self.count += 1\n"
@@ -149,50 +155,53 @@ register(Exercise(
 
 def _check_make_running_mean(make_running_mean):
     if isinstance(make_running_mean, type) or not callable(make_running_mean):
-        raise Incorrect(f"make_running_mean should be a function (written with `def make_running_mean():`), "
-                        f"got {describe(make_running_mean)}")
+        raise Incorrect(_("make_running_mean should be a function (written with `def make_running_mean():`), "
+                          "got {value}").format(value=describe(make_running_mean)))
     try:
         running_mean = call(make_running_mean, name="make_running_mean")
     except Incorrect as exc:
         if "required positional argument" in str(exc):
-            raise Incorrect(f"{exc}: likely mistake: make_running_mean() should return the inner function, "
-                            "not call it") from None
+            raise Incorrect(_("{error}: likely mistake: make_running_mean() should return the inner function, "
+                              "not call it").format(error=exc)) from None
         raise
     if not callable(running_mean):
-        raise Incorrect(f"make_running_mean() should return a function, got {describe(running_mean)}")
+        raise Incorrect(_("make_running_mean() should return a function, got {value}").format(
+            value=describe(running_mean)))
     outs = []
     for x in (2, 4, 9):
         try:
             outs.append(_as_float(call(running_mean, x, name="running_mean"), f"running_mean({x})"))
         except Incorrect as exc:
             if "UnboundLocalError" in str(exc):
-                raise Incorrect(f"{exc}: likely mistake: assigning to a variable inside the inner function makes "
-                                "it local to that function; declare the outer variables `nonlocal`") from None
+                raise Incorrect(_("{error}: likely mistake: assigning to a variable inside the inner function "
+                                  "makes it local to that function; declare the outer variables `nonlocal`").format(
+                                      error=exc)) from None
             raise
     if outs == [2.0, 4.0, 9.0]:
-        raise Incorrect("the calls with 2, 4, 9 returned 2, 4, 9 (each latest value): likely mistake: the state "
-                        "is reset inside the inner function; create it once, in make_running_mean")
+        raise Incorrect(_("the calls with 2, 4, 9 returned 2, 4, 9 (each latest value): likely mistake: the state "
+                          "is reset inside the inner function; create it once, in make_running_mean"))
     if not all(_close(a, b) for a, b in zip(outs, [2.0, 3.0, 5.0])):
-        raise Incorrect(f"calling with 2, then 4, then 9 should return 2, 3, 5 (the mean so far), got {outs}")
+        raise Incorrect(_("calling with 2, then 4, then 9 should return 2, 3, 5 (the mean so far), got {values}").format(
+            values=outs))
     other = call(make_running_mean, name="make_running_mean")
     fresh = _as_float(call(other, 10, name="running_mean"), "running_mean(10)")
     if not _close(fresh, 10.0):
-        raise Incorrect(f"a second make_running_mean() called with 10 returned {fresh}, not 10: each closure "
-                        "should have its own state (global variables are shared)")
-    return "the closure's cells hold the state that an instance would keep in attributes"
+        raise Incorrect(_("a second make_running_mean() called with 10 returned {value}, not 10: each closure "
+                          "should have its own state (global variables are shared)").format(value=fresh))
+    return _("the closure's cells hold the state that an instance would keep in attributes")
 
 
 register(Exercise(
-    id="01.3", title="The same state in a closure", answer="make_running_mean",
+    id="01.3", title=N_("The same state in a closure"), answer="make_running_mean",
     blank="def make_running_mean():\n    raise NotImplementedError  # your code here\n",
     solution=("def make_running_mean():\n    total, count = 0.0, 0\n\n    def running_mean(x):\n"
               "        nonlocal total, count\n        total += x\n        count += 1\n"
               "        return total / count\n\n    return running_mean\n"),
     checker=_check_make_running_mean,
-    hints=["Create total and count in make_running_mean, define an inner function that updates them, and "
-           "return the inner function (without calling it).",
-           "`total += x` inside the inner function assigns to `total`, which makes it local there unless you "
-           "write `nonlocal total, count` first."],
+    hints=[N_("Create total and count in make_running_mean, define an inner function that updates them, and "
+              "return the inner function (without calling it)."),
+           N_("`total += x` inside the inner function assigns to `total`, which makes it local there unless you "
+              "write `nonlocal total, count` first.")],
     mistakes=[
         Mistake("def make_running_mean():\n    total, count = 0.0, 0\n\n    def running_mean(x):\n"
                 "        total += x\n        count += 1\n        return total / count\n\n"
@@ -218,29 +227,31 @@ def _cosine(epoch: float, base_lr: float, min_lr: float, total_epochs: int) -> f
 
 def _check_partial(schedule):
     if isinstance(schedule, numbers.Real):
-        raise Incorrect(f"schedule is the number {schedule!r}: likely mistake: you called cosine_lr once; "
-                        "partial(cosine_lr, ...) returns a new callable without calling it")
+        raise Incorrect(_("schedule is the number {value!r}: likely mistake: you called cosine_lr once; "
+                          "partial(cosine_lr, ...) returns a new callable without calling it").format(value=schedule))
     if not isinstance(schedule, functools.partial):
         if callable(schedule):
-            raise Incorrect(f"schedule is callable but not a functools.partial ({describe(schedule)}): the point "
-                            "of this exercise is `partial(cosine_lr, base_lr=..., ...)`")
-        raise Incorrect(f"schedule should be partial(cosine_lr, ...), got {describe(schedule)}")
+            raise Incorrect(_("schedule is callable but not a functools.partial ({value}): the point "
+                              "of this exercise is `partial(cosine_lr, base_lr=..., ...)`").format(
+                                  value=describe(schedule)))
+        raise Incorrect(_("schedule should be partial(cosine_lr, ...), got {value}").format(value=describe(schedule)))
     if getattr(schedule.func, "__name__", None) != "cosine_lr":
-        raise Incorrect(f"schedule wraps {describe(schedule.func)}; it should wrap cosine_lr")
+        raise Incorrect(_("schedule wraps {value}; it should wrap cosine_lr").format(value=describe(schedule.func)))
     if schedule.args:
-        raise Incorrect(f"schedule fixes the positional arguments {schedule.args!r}: likely mistake: positional "
-                        "arguments to partial fill the *first* parameters (epoch comes first here); give "
-                        "base_lr=..., min_lr=..., total_epochs=... by keyword")
+        raise Incorrect(_("schedule fixes the positional arguments {args!r}: likely mistake: positional "
+                          "arguments to partial fill the *first* parameters (epoch comes first here); give "
+                          "base_lr=..., min_lr=..., total_epochs=... by keyword").format(args=schedule.args))
     expected = {"base_lr": 0.1, "min_lr": 0.001, "total_epochs": 20}
     got = {k: schedule.keywords.get(k) for k in expected}
     if got != expected:
-        raise Incorrect(f"schedule fixes {dict(schedule.keywords)!r}; it should fix base_lr=0.1, min_lr=0.001 "
-                        "and total_epochs=20")
+        raise Incorrect(_("schedule fixes {keywords!r}; it should fix base_lr=0.1, min_lr=0.001 "
+                          "and total_epochs=20").format(keywords=dict(schedule.keywords)))
     for epoch in (0, 5, 10, 19, 20, 25):
         value = _as_float(call(schedule, epoch, name="schedule"), f"schedule({epoch})")
         if not _close(value, _cosine(epoch, **expected)):
-            raise Incorrect(f"schedule({epoch}) returned {value}, expected {_cosine(epoch, **expected)}")
-    return "schedule.func, schedule.keywords show exactly what was frozen"
+            raise Incorrect(_("schedule({epoch}) returned {value}, expected {expected}").format(
+                epoch=epoch, value=value, expected=_cosine(epoch, **expected)))
+    return _("schedule.func, schedule.keywords show exactly what was frozen")
 
 
 _COSINE_FN = ("import math\nfrom functools import partial\n\n"
@@ -250,14 +261,14 @@ _COSINE_FN = ("import math\nfrom functools import partial\n\n"
               "    return min_lr + 0.5 * (base_lr - min_lr) * (1 + math.cos(math.pi * epoch / total_epochs))\n")
 
 register(Exercise(
-    id="01.4", title="Freezing arguments with functools.partial", answer="schedule",
+    id="01.4", title=N_("Freezing arguments with functools.partial"), answer="schedule",
     blank="schedule = ...\n",
     solution="schedule = partial(cosine_lr, base_lr=0.1, min_lr=0.001, total_epochs=20)\n",
     setup=_COSINE_FN,
     checker=_check_partial,
-    hints=["partial(f, name=value) returns a callable that calls f with name=value added.",
-           "epoch is cosine_lr's first parameter: freeze the other three by keyword so that schedule(epoch) "
-           "still fills epoch."],
+    hints=[N_("partial(f, name=value) returns a callable that calls f with name=value added."),
+           N_("epoch is cosine_lr's first parameter: freeze the other three by keyword so that schedule(epoch) "
+              "still fills epoch.")],
     mistakes=[
         Mistake("schedule = partial(cosine_lr, 0.1, 0.001, 20)\n", "positional arguments to partial fill"),
         Mistake("schedule = cosine_lr(0, base_lr=0.1, min_lr=0.001, total_epochs=20)\n", "without calling it"),
@@ -281,7 +292,7 @@ def _torch_warmup_cosine(base_lr: float, min_lr: float, warmup: int, total: int,
                                    CosineAnnealingLR(opt, T_max=total - warmup, eta_min=min_lr)],
                              milestones=[warmup])
         lrs = []
-        for _ in range(epochs):
+        for _epoch in range(epochs):
             lrs.append(opt.param_groups[0]["lr"])
             sched.step()
     return lrs
@@ -293,34 +304,40 @@ def _check_warmup_cosine(WarmupCosine):
         label = f"WarmupCosine({base_lr}, {min_lr}, {warmup}, {total})"
         sched = call(WarmupCosine, base_lr, min_lr, warmup, total, name="WarmupCosine")
         if not callable(sched):
-            raise Incorrect(f"{label} is not callable: define `__call__(self, epoch)` in the class body")
+            raise Incorrect(_("{label} is not callable: define `__call__(self, epoch)` in the class body").format(
+                label=label))
         reference = _torch_warmup_cosine(base_lr, min_lr, warmup, total, total)
         got = [_as_float(call(sched, e, name=label), f"{label}({e})") for e in range(total + 6)]
         if _close(got[0], 0.0):
-            raise Incorrect(f"{label}(0) is 0: likely mistake: the warm-up starts at zero, so the first epoch "
-                            "does not train; use base_lr * (epoch + 1) / warmup_epochs")
+            raise Incorrect(_("{label}(0) is 0: likely mistake: the warm-up starts at zero, so the first epoch "
+                              "does not train; use base_lr * (epoch + 1) / warmup_epochs").format(label=label))
         for e in range(warmup):
             if not _close(got[e], reference[e]):
-                raise Incorrect(f"warm-up: {label}({e}) returned {got[e]:.6g}, expected {reference[e]:.6g} "
-                                "(base_lr * (epoch + 1) / warmup_epochs)")
+                raise Incorrect(_("warm-up: {label}({epoch}) returned {value:.6g}, expected {expected:.6g} "
+                                  "(base_lr * (epoch + 1) / warmup_epochs)").format(
+                                      label=label, epoch=e, value=got[e], expected=reference[e]))
         if not _close(got[warmup], base_lr):
-            raise Incorrect(f"{label}({warmup}) returned {got[warmup]:.6g}, expected base_lr = {base_lr}: likely "
-                            "mistake: the cosine should start at the end of the warm-up, "
-                            "progress = (epoch - warmup_epochs) / (total_epochs - warmup_epochs)")
+            raise Incorrect(_("{label}({epoch}) returned {value:.6g}, expected base_lr = {base_lr}: likely "
+                              "mistake: the cosine should start at the end of the warm-up, "
+                              "progress = (epoch - warmup_epochs) / (total_epochs - warmup_epochs)").format(
+                                  label=label, epoch=warmup, value=got[warmup], base_lr=base_lr))
         for e in range(warmup, total):
             if not _close(got[e], reference[e]):
                 without_min = (reference[e] - min_lr) * base_lr / (base_lr - min_lr)  # the cosine from base_lr to 0
                 if _close(got[e], without_min):
-                    raise Incorrect(f"{label}({e}) returned {got[e]:.6g}, expected {reference[e]:.6g}: likely "
-                                    "mistake: the cosine ends at 0 instead of min_lr (add min_lr and scale by "
-                                    "base_lr - min_lr)")
-                raise Incorrect(f"{label}({e}) returned {got[e]:.6g}, expected {reference[e]:.6g} "
-                                "(PyTorch's LinearLR + CosineAnnealingLR give that value)")
+                    raise Incorrect(_("{label}({epoch}) returned {value:.6g}, expected {expected:.6g}: likely "
+                                      "mistake: the cosine ends at 0 instead of min_lr (add min_lr and scale by "
+                                      "base_lr - min_lr)").format(label=label, epoch=e, value=got[e],
+                                                                  expected=reference[e]))
+                raise Incorrect(_("{label}({epoch}) returned {value:.6g}, expected {expected:.6g} "
+                                  "(PyTorch's LinearLR + CosineAnnealingLR give that value)").format(
+                                      label=label, epoch=e, value=got[e], expected=reference[e]))
         late = got[total:]
         if not all(_close(v, min_lr) for v in late):
-            raise Incorrect(f"{label} after total_epochs returned {[round(v, 6) for v in late]}: likely mistake: "
-                            "the cosine goes back up; the schedule should stay at min_lr from total_epochs on")
-    return "it matches PyTorch's LinearLR + CosineAnnealingLR (SequentialLR) epoch by epoch"
+            raise Incorrect(_("{label} after total_epochs returned {values}: likely mistake: the cosine goes back "
+                              "up; the schedule should stay at min_lr from total_epochs on").format(
+                                  label=label, values=[round(v, 6) for v in late]))
+    return _("it matches PyTorch's LinearLR + CosineAnnealingLR (SequentialLR) epoch by epoch")
 
 
 _WC_HEAD = ("class WarmupCosine:\n"
@@ -338,15 +355,15 @@ _WC_SOLUTION = (
     "        return self.min_lr + 0.5 * (self.base_lr - self.min_lr) * (1 + math.cos(math.pi * progress))\n")
 
 register(Exercise(
-    id="01.5", title="Warm-up, then cosine: a schedule as a callable class", answer="WarmupCosine",
+    id="01.5", title=N_("Warm-up, then cosine: a schedule as a callable class"), answer="WarmupCosine",
     blank=_WC_HEAD + "\n    def __call__(self, epoch):\n        raise NotImplementedError  # your code here\n",
     solution=_WC_HEAD + _WC_SOLUTION,
     setup="import math\n",
     checker=_check_warmup_cosine,
-    hints=["Three cases: epoch < warmup_epochs (linear rise), epoch >= total_epochs (min_lr), and the cosine "
-           "in between.",
-           "The cosine part is CosineSchedule's formula with the epochs counted from the end of the warm-up: "
-           "progress = (epoch - warmup_epochs) / (total_epochs - warmup_epochs)."],
+    hints=[N_("Three cases: epoch < warmup_epochs (linear rise), epoch >= total_epochs (min_lr), and the cosine "
+              "in between."),
+           N_("The cosine part is CosineSchedule's formula with the epochs counted from the end of the warm-up: "
+              "progress = (epoch - warmup_epochs) / (total_epochs - warmup_epochs).")],
     mistakes=[
         Mistake(_WC_HEAD + _WC_SOLUTION.replace("(epoch + 1) / self.warmup_epochs", "epoch / self.warmup_epochs"),
                 "warm-up starts at zero"),

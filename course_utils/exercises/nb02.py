@@ -15,6 +15,7 @@ import contextlib
 import torch
 from torch import nn
 
+from ..i18n import N_, _
 from .core import Exercise, Incorrect, Mistake, call, describe, register
 
 
@@ -28,13 +29,15 @@ def _seeded(seed: int = 0):
 
 def _require_module_class(answer, name: str) -> type:
     if not (isinstance(answer, type) and issubclass(answer, nn.Module)):
-        raise Incorrect(f"{name} should be a class that subclasses nn.Module, got {describe(answer)}")
+        raise Incorrect(_("{name} should be a class that subclasses nn.Module, got {value}").format(
+            name=name, value=describe(answer)))
     return answer
 
 
 def _require_function(answer, name: str):
     if isinstance(answer, type) or not callable(answer):
-        raise Incorrect(f"{name} should be a function (written with `def {name}(...)`), got {describe(answer)}")
+        raise Incorrect(_("{name} should be a function (written with `def {name}(...)`), got {value}").format(
+            name=name, value=describe(answer)))
     return answer
 
 
@@ -54,18 +57,20 @@ class _TwiceAct(nn.Module):
 
 
 def _hooks_left(model: nn.Module) -> list[str]:
-    return [name or "(the model)" for name, m in model.named_modules()
+    return [name or _("(the model)") for name, m in model.named_modules()
             if m._forward_hooks or m._forward_pre_hooks]
 
 
 def _normalise_shapes(result, label: str) -> list[tuple[str, tuple]]:
     if not isinstance(result, list):
-        raise Incorrect(f"{label} should return a list of (name, shape) pairs, got {describe(result)}")
+        raise Incorrect(_("{label} should return a list of (name, shape) pairs, got {value}").format(
+            label=label, value=describe(result)))
     pairs = []
     for item in result:
         if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)
                 and isinstance(item[1], tuple)):
-            raise Incorrect(f"each item should be a (name, shape) pair such as ('0', (2, 8)), got {describe(item)}")
+            raise Incorrect(_("each item should be a (name, shape) pair such as ('0', (2, 8)), got {value}").format(
+                value=describe(item)))
         pairs.append((item[0], tuple(item[1])))
     return pairs
 
@@ -87,24 +92,25 @@ def _check_record_shapes(record_shapes):
                                 "record_shapes")
         left = _hooks_left(model)
         if left:
-            raise Incorrect(f"after record_shapes returned, hooks are still registered on {left}: likely mistake: "
-                            "the hooks were not removed (keep each handle and call handle.remove()), so every "
-                            "later call of the model would record again")
+            raise Incorrect(_("after record_shapes returned, hooks are still registered on {left}: likely mistake: "
+                              "the hooks were not removed (keep each handle and call handle.remove()), so every "
+                              "later call of the model would record again").format(left=left))
         if got == expected:
             continue
         containers = [n for n, _ in got if n == "" or any(e.startswith(n + ".") for e, _ in expected)]
         if containers:
-            raise Incorrect(f"got {got}: likely mistake: containers were hooked too; record only leaf modules "
-                            "(modules with no children)")
+            raise Incorrect(_("got {got}: likely mistake: containers were hooked too; record only leaf modules "
+                              "(modules with no children)").format(got=got))
         if got == inputs:
-            raise Incorrect(f"got {got}: likely mistake: these are the input shapes; a forward hook receives "
-                            "(module, inputs, output): record output.shape")
-        raise Incorrect(f"for {type(model).__name__} and an input of shape (2, 4), expected {expected}, got {got}")
-    return "one forward hook per leaf, removed afterwards; note 'act' appears twice: hooks follow calls"
+            raise Incorrect(_("got {got}: likely mistake: these are the input shapes; a forward hook receives "
+                              "(module, inputs, output): record output.shape").format(got=got))
+        raise Incorrect(_("for {model} and an input of shape (2, 4), expected {expected}, got {got}").format(
+            model=type(model).__name__, expected=expected, got=got))
+    return _("one forward hook per leaf, removed afterwards; note 'act' appears twice: hooks follow calls")
 
 
 register(Exercise(
-    id="02.1", title="A hook that records activation shapes", answer="record_shapes",
+    id="02.1", title=N_("A hook that records activation shapes"), answer="record_shapes",
     blank=("def record_shapes(model, x):\n"
            "    \"\"\"Run model(x) once; return [(name, tuple(output.shape)), ...] for each leaf module call.\"\"\"\n"
            "    raise NotImplementedError  # your code here\n"),
@@ -124,11 +130,11 @@ register(Exercise(
               "    return shapes\n"),
     setup="import torch\nfrom torch import nn\n",
     checker=_check_record_shapes,
-    hints=["model.named_modules() yields (name, module) for every module, the model itself first (name '').",
-           "A leaf has no children: next(module.children(), None) is None. A forward hook is called as "
-           "hook(module, inputs, output); bind the name with a default argument (name=name).",
-           "register_forward_hook returns a handle: keep them all and call handle.remove() after model(x), "
-           "in a finally block so that an error in forward does not leave hooks behind."],
+    hints=[N_("model.named_modules() yields (name, module) for every module, the model itself first (name '')."),
+           N_("A leaf has no children: next(module.children(), None) is None. A forward hook is called as "
+              "hook(module, inputs, output); bind the name with a default argument (name=name)."),
+           N_("register_forward_hook returns a handle: keep them all and call handle.remove() after model(x), "
+              "in a finally block so that an error in forward does not leave hooks behind.")],
     mistakes=[
         Mistake("def record_shapes(model, x):\n    shapes = []\n    for name, module in model.named_modules():\n"
                 "        if next(module.children(), None) is None:\n"
@@ -158,37 +164,40 @@ def _check_mlp(MLP):
             model = call(MLP, [4, 8, 3], name="MLP", check_mutation=False)
     except Incorrect as exc:
         if "before Module.__init__() call" in str(exc):
-            raise Incorrect(f"{exc}: likely mistake: super().__init__() is missing or comes too late; it must "
-                            "run before any submodule is assigned") from None
+            raise Incorrect(_("{error}: likely mistake: super().__init__() is missing or comes too late; it must "
+                              "run before any submodule is assigned").format(error=exc)) from None
         raise
     if not isinstance(model, nn.Module):
-        raise Incorrect(f"MLP([4, 8, 3]) should be an nn.Module, got {describe(model)}")
+        raise Incorrect(_("MLP([4, 8, 3]) should be an nn.Module, got {value}").format(value=describe(model)))
     layers = getattr(model, "layers", None)
     n_params = sum(p.numel() for p in model.parameters())
     expected = 4 * 8 + 8 + 8 * 3 + 3  # two Linear layers: weights and biases
     if layers is None:
-        raise Incorrect("MLP([4, 8, 3]) has no attribute `layers`: likely mistake: the layers were assigned to a local "
-                        "variable; assign them to self.layers (forward reads self.layers)")
+        raise Incorrect(_("MLP([4, 8, 3]) has no attribute `layers`: likely mistake: the layers were assigned to a "
+                          "local variable; assign them to self.layers (forward reads self.layers)"))
     if isinstance(layers, (list, tuple, dict)) and n_params != expected:
-        raise Incorrect(f"self.layers is a plain Python {type(layers).__name__}, so model.parameters() holds "
-                        f"{n_params} elements instead of {expected}: likely mistake: nn.Module registers only "
-                        "modules assigned directly as attributes; wrap the layers in nn.ModuleList")
+        raise Incorrect(_("self.layers is a plain Python {kind}, so model.parameters() holds "
+                          "{n_params} elements instead of {expected}: likely mistake: nn.Module registers only "
+                          "modules assigned directly as attributes; wrap the layers in nn.ModuleList").format(
+                              kind=type(layers).__name__, n_params=n_params, expected=expected))
     if not isinstance(layers, (nn.Module, list, tuple, dict)):
-        raise Incorrect(f"self.layers should hold the Linear layers (an nn.ModuleList), got {describe(layers)}")
+        raise Incorrect(_("self.layers should hold the Linear layers (an nn.ModuleList), got {value}").format(
+            value=describe(layers)))
     if n_params != expected:
-        raise Incorrect(f"MLP([4, 8, 3]) has {n_params} parameter elements; Linear(4, 8) and Linear(8, 3) "
-                        f"have {expected}")
+        raise Incorrect(_("MLP([4, 8, 3]) has {n_params} parameter elements; Linear(4, 8) and Linear(8, 3) "
+                          "have {expected}").format(n_params=n_params, expected=expected))
     out = call(model, torch.ones(2, 4), name="MLP([4, 8, 3])", check_mutation=False)
     if not isinstance(out, torch.Tensor) or tuple(out.shape) != (2, 3):
-        raise Incorrect(f"MLP([4, 8, 3]) applied to a (2, 4) batch should give shape (2, 3), got {describe(out)}")
+        raise Incorrect(_("MLP([4, 8, 3]) applied to a (2, 4) batch should give shape (2, 3), got {value}").format(
+            value=describe(out)))
     model.double()
     not_moved = [n for n, p in model.named_parameters() if p.dtype != torch.float64]
     if not_moved:
-        raise Incorrect(f".double() did not convert {not_moved}: every layer must be registered")
+        raise Incorrect(_(".double() did not convert {names}: every layer must be registered").format(names=not_moved))
     keys = sorted(model.state_dict())
     if len(keys) != 4:
-        raise Incorrect(f"state_dict() should hold 4 tensors (2 weights, 2 biases), holds {keys}")
-    return f"parameters(), .double() and state_dict() now all see both layers ({keys})"
+        raise Incorrect(_("state_dict() should hold 4 tensors (2 weights, 2 biases), holds {keys}").format(keys=keys))
+    return _("parameters(), .double() and state_dict() now all see both layers ({keys})").format(keys=keys)
 
 
 _MLP_FORWARD = ("\n    def forward(self, x):\n"
@@ -206,13 +215,13 @@ def _mlp(init_body: str, with_super: bool = True) -> str:
 
 
 register(Exercise(
-    id="02.2", title="A submodule missing from parameters()", answer="MLP",
+    id="02.2", title=N_("A submodule missing from parameters()"), answer="MLP",
     blank=_mlp("        raise NotImplementedError  # your code here: set self.layers\n"),
     solution=_mlp("        self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in zip(sizes, sizes[1:]))\n"),
     setup="import torch\nfrom torch import nn\n",
     checker=_check_mlp,
-    hints=["Compare with BrokenMLP above: what type is self.layers there, and what does __setattr__ do with it?",
-           "nn.ModuleList(...) is a list that is itself a Module, so assigning it registers every layer in it."],
+    hints=[N_("Compare with BrokenMLP above: what type is self.layers there, and what does __setattr__ do with it?"),
+           N_("nn.ModuleList(...) is a list that is itself a Module, so assigning it registers every layer in it.")],
     mistakes=[
         Mistake(_mlp("        self.layers = [nn.Linear(a, b) for a, b in zip(sizes, sizes[1:])]\n"),
                 "nn.ModuleList"),
@@ -231,38 +240,41 @@ def _check_normalize(Normalize):
     mean, std = torch.tensor([0.5, 1.0, -2.0]), torch.tensor([2.0, 4.0, 0.5])
     model = call(Normalize, mean, std, name="Normalize", check_mutation=False)
     if not isinstance(model, nn.Module):
-        raise Incorrect(f"Normalize(mean, std) should be an nn.Module, got {describe(model)}")
+        raise Incorrect(_("Normalize(mean, std) should be an nn.Module, got {value}").format(value=describe(model)))
     x = torch.tensor([[1.0, 2.0, 3.0], [0.0, -1.0, 0.5]])
     out = call(model, x, name="Normalize(mean, std)", check_mutation=False)
     if not isinstance(out, torch.Tensor) or out.shape != x.shape or not torch.allclose(out, (x - mean) / std):
-        raise Incorrect(f"Normalize(mean, std)(x) should equal (x - mean) / std, got {describe(out)}")
+        raise Incorrect(_("Normalize(mean, std)(x) should equal (x - mean) / std, got {value}").format(
+            value=describe(out)))
     params = dict(model.named_parameters())
     buffers = dict(model.named_buffers())
     if {"mean", "std"} & set(params):
         if not any(p.requires_grad for p in params.values()):
-            raise Incorrect("mean/std are frozen nn.Parameters: likely mistake: requires_grad=False stops the "
-                            "gradients, but they are still parameters (in parameters(), handed to the optimizer, "
-                            "counted as weights); register them as buffers")
-        raise Incorrect("mean/std are nn.Parameters: likely mistake: that makes them trainable (the optimizer "
-                        "would change them, and they show up in parameters()); register them as buffers")
+            raise Incorrect(_("mean/std are frozen nn.Parameters: likely mistake: requires_grad=False stops the "
+                              "gradients, but they are still parameters (in parameters(), handed to the optimizer, "
+                              "counted as weights); register them as buffers"))
+        raise Incorrect(_("mean/std are nn.Parameters: likely mistake: that makes them trainable (the optimizer "
+                          "would change them, and they show up in parameters()); register them as buffers"))
     plain = [n for n in ("mean", "std") if isinstance(vars(model).get(n), torch.Tensor)]
     if plain:
-        raise Incorrect(f"{plain} are plain tensor attributes: likely mistake: .to(), .double() and state_dict() "
-                        "ignore those; use self.register_buffer(name, tensor)")
+        raise Incorrect(_("{names} are plain tensor attributes: likely mistake: .to(), .double() and state_dict() "
+                          "ignore those; use self.register_buffer(name, tensor)").format(names=plain))
     if set(buffers) != {"mean", "std"}:
-        raise Incorrect(f"the module's buffers are {sorted(buffers)}; expected exactly 'mean' and 'std'")
+        raise Incorrect(_("the module's buffers are {names}; expected exactly 'mean' and 'std'").format(
+            names=sorted(buffers)))
     keys = set(model.state_dict())
     if keys != {"mean", "std"}:
-        raise Incorrect(f"state_dict() holds {sorted(keys)}; mean and std should be saved with the model "
-                        "(register_buffer's default persistent=True)")
+        raise Incorrect(_("state_dict() holds {keys}; mean and std should be saved with the model "
+                          "(register_buffer's default persistent=True)").format(keys=sorted(keys)))
     model.double()
     if model.mean.dtype != torch.float64 or model.std.dtype != torch.float64:
-        raise Incorrect(f"after .double(), mean is {model.mean.dtype} and std is {model.std.dtype}; both should "
-                        "be float64")
+        raise Incorrect(_("after .double(), mean is {mean} and std is {std}; both should be float64").format(
+            mean=model.mean.dtype, std=model.std.dtype))
     model.to("meta")
     if model.mean.device.type != "meta":
-        raise Incorrect(f"after .to('meta'), mean is on {model.mean.device}: it should move with the module")
-    return "mean and std follow .to()/.double() and are saved in state_dict(), yet are not trained"
+        raise Incorrect(_("after .to('meta'), mean is on {device}: it should move with the module").format(
+            device=model.mean.device))
+    return _("mean and std follow .to()/.double() and are saved in state_dict(), yet are not trained")
 
 
 def _normalize(init_body: str) -> str:
@@ -276,13 +288,13 @@ def _normalize(init_body: str) -> str:
 
 
 register(Exercise(
-    id="02.3", title="Buffers that move with the module", answer="Normalize",
+    id="02.3", title=N_("Buffers that move with the module"), answer="Normalize",
     blank=_normalize("        raise NotImplementedError  # your code here\n"),
     solution=_normalize("        self.register_buffer(\"mean\", mean)\n        self.register_buffer(\"std\", std)\n"),
     setup="import torch\nfrom torch import nn\n",
     checker=_check_normalize,
-    hints=["A buffer is module state that is not trained: BatchNorm's running_mean is one.",
-           "self.register_buffer(\"mean\", mean) registers it; self.mean then reads it back."],
+    hints=[N_("A buffer is module state that is not trained: BatchNorm's running_mean is one."),
+           N_("self.register_buffer(\"mean\", mean) registers it; self.mean then reads it back.")],
     mistakes=[
         Mistake(_normalize("        self.mean = mean\n        self.std = std\n"), "register_buffer"),
         Mistake(_normalize("        self.mean = nn.Parameter(mean)\n        self.std = nn.Parameter(std)\n"),
@@ -322,28 +334,28 @@ def _check_predict(predict):
         stats_before = (bn.running_mean.clone(), int(bn.num_batches_tracked))
         out = call(predict, model, x, name="predict", check_mutation=False)
     if not isinstance(out, torch.Tensor) or tuple(out.shape) != (8, 3):
-        raise Incorrect(f"predict(model, x) should return the model's output, a tensor of shape (8, 3); got "
-                        f"{describe(out)}")
+        raise Incorrect(_("predict(model, x) should return the model's output, a tensor of shape (8, 3); got "
+                          "{value}").format(value=describe(out)))
     if int(bn.num_batches_tracked) != stats_before[1] or not torch.equal(bn.running_mean, stats_before[0]):
-        raise Incorrect("BatchNorm updated its running statistics during predict: likely mistake: the model is "
-                        "still in training mode (no_grad does not switch modes); call model.eval() first")
+        raise Incorrect(_("BatchNorm updated its running statistics during predict: likely mistake: the model is "
+                          "still in training mode (no_grad does not switch modes); call model.eval() first"))
     if out.requires_grad:
-        raise Incorrect("the output requires grad, so predict built an autograd graph it never uses: likely "
-                        "mistake: run the model inside `with torch.inference_mode():` (or torch.no_grad())")
+        raise Incorrect(_("the output requires grad, so predict built an autograd graph it never uses: likely "
+                          "mistake: run the model inside `with torch.inference_mode():` (or torch.no_grad())"))
     if not model.training:
-        raise Incorrect("after predict the model is left in eval mode although it was in training mode: likely "
-                        "mistake: remember model.training first and restore it (model.train(was_training))")
+        raise Incorrect(_("after predict the model is left in eval mode although it was in training mode: likely "
+                          "mistake: remember model.training first and restore it (model.train(was_training))"))
     model.eval()
     with torch.no_grad():
         reference = model(x)
     if not torch.allclose(out, reference):
-        raise Incorrect("predict's output differs from the model's eval-mode output")
+        raise Incorrect(_("predict's output differs from the model's eval-mode output"))
     again = call(predict, model, x, name="predict", check_mutation=False)
     if model.training:
-        raise Incorrect("predict was given a model in eval mode and left it in training mode: likely mistake: "
-                        "restore the mode the model had (model.train(was_training)), not always train()")
+        raise Incorrect(_("predict was given a model in eval mode and left it in training mode: likely mistake: "
+                          "restore the mode the model had (model.train(was_training)), not always train()"))
     if not isinstance(again, torch.Tensor) or not torch.equal(again, out):
-        raise Incorrect("two calls of predict on the same input gave different outputs")
+        raise Incorrect(_("two calls of predict on the same input gave different outputs"))
     failing = _FailingForward().train()
     try:
         call(predict, failing, x, name="predict", check_mutation=False)
@@ -351,20 +363,20 @@ def _check_predict(predict):
     except Incorrect:
         raised = True  # the error came through, as it should
     if not raised:
-        raise Incorrect("given a model whose forward raises, predict returned normally: it hid the error; let it "
-                        "propagate (restore the mode in a `finally` block, without an `except` that swallows it)")
+        raise Incorrect(_("given a model whose forward raises, predict returned normally: it hid the error; let it "
+                          "propagate (restore the mode in a `finally` block, without an `except` that swallows it)"))
     if not failing.training:
-        raise Incorrect("when forward raised, predict left the model in eval mode although it was in training "
-                        "mode: likely mistake: the mode is restored after model(x), which an exception skips; "
-                        "restore it in a `finally` block")
-    return "eval() switched Dropout and BatchNorm, inference_mode() skipped the graph, and the mode was restored"
+        raise Incorrect(_("when forward raised, predict left the model in eval mode although it was in training "
+                          "mode: likely mistake: the mode is restored after model(x), which an exception skips; "
+                          "restore it in a `finally` block"))
+    return _("eval() switched Dropout and BatchNorm, inference_mode() skipped the graph, and the mode was restored")
 
 
 _PREDICT_DOC = ("def predict(model, x):\n"
                 "    \"\"\"Deterministic inference: eval mode, no autograd graph, the model's mode restored.\"\"\"\n")
 
 register(Exercise(
-    id="02.4", title="Deterministic inference", answer="predict",
+    id="02.4", title=N_("Deterministic inference"), answer="predict",
     blank=_PREDICT_DOC + "    raise NotImplementedError  # your code here\n",
     solution=_PREDICT_DOC + ("    was_training = model.training\n"
                              "    model.eval()\n"
@@ -375,10 +387,10 @@ register(Exercise(
                              "        model.train(was_training)\n"),
     setup="import torch\nfrom torch import nn\n",
     checker=_check_predict,
-    hints=["Two independent switches: model.eval() (Dropout, BatchNorm behave for inference) and "
-           "torch.inference_mode() (no autograd graph). One does not imply the other.",
-           "Save model.training before switching, and restore it with model.train(was_training) in a finally "
-           "block."],
+    hints=[N_("Two independent switches: model.eval() (Dropout, BatchNorm behave for inference) and "
+              "torch.inference_mode() (no autograd graph). One does not imply the other."),
+           N_("Save model.training before switching, and restore it with model.train(was_training) in a finally "
+              "block.")],
     mistakes=[
         Mistake(_PREDICT_DOC + "    with torch.no_grad():\n        return model(x)\n", "still in training mode"),
         Mistake(_PREDICT_DOC + ("    was_training = model.training\n    model.eval()\n    out = model(x)\n"
@@ -452,12 +464,12 @@ def _cases() -> list[tuple[str, nn.Module, torch.Tensor, str | None]]:
         with torch.no_grad():
             twice.fc2.weight.mul_(1e6)  # "act" is fine on its first call, explodes on its second
         return [
-            ("a layer whose weights blew up", exploding, x, "2"),
-            ("huge negative values", negative, x, "1"),
-            ("a NaN, with modules called in another order than they are defined", _Shuffled(), x, "bad"),
-            ("an overflow to inf", overflow, x, "1"),
-            ("a healthy model", healthy, x, None),
-            ("a module called twice", twice, x[:, :4], "fc2"),
+            (N_("a layer whose weights blew up"), exploding, x, "2"),
+            (N_("huge negative values"), negative, x, "1"),
+            (N_("a NaN, with modules called in another order than they are defined"), _Shuffled(), x, "bad"),
+            (N_("an overflow to inf"), overflow, x, "1"),
+            (N_("a healthy model"), healthy, x, None),
+            (N_("a module called twice"), twice, x[:, :4], "fc2"),
         ]
 
 
@@ -467,36 +479,42 @@ def _check_first_bad_layer(first_bad_layer):
         got = call(first_bad_layer, model, x, name="first_bad_layer", check_mutation=False)
         left = _hooks_left(model)
         if left:
-            raise Incorrect(f"after first_bad_layer returned, hooks are still registered on {left}: likely mistake: "
-                            "the hooks were not removed (keep each handle and call handle.remove() in a finally "
-                            "block)")
+            raise Incorrect(_("after first_bad_layer returned, hooks are still registered on {left}: likely "
+                              "mistake: the hooks were not removed (keep each handle and call handle.remove() in a "
+                              "finally block)").format(left=left))
         if got == expected:
             continue
         if got is not None and not isinstance(got, str):
-            raise Incorrect(f"first_bad_layer should return a module name (a str) or None, got {describe(got)}")
+            raise Incorrect(_("first_bad_layer should return a module name (a str) or None, got {value}").format(
+                value=describe(got)))
         names = [name for name, m in model.named_modules() if next(m.children(), None) is None]
-        shown = f"for {what}, first_bad_layer returned {got!r}, expected {expected!r}"
+        shown = _("for {what}, first_bad_layer returned {got!r}, expected {expected!r}").format(
+            what=_(what), got=got, expected=expected)
         if got == "" and expected is not None:
-            raise Incorrect(f"{shown}: likely mistake: the model itself (name '') was hooked; hook only leaf modules")
+            raise Incorrect(_("{shown}: likely mistake: the model itself (name '') was hooked; hook only leaf "
+                              "modules").format(shown=shown))
         if expected is None:
-            raise Incorrect(f"{shown}: every output of this model is finite and below the limit; return None")
+            raise Incorrect(_("{shown}: every output of this model is finite and below the limit; return "
+                              "None").format(shown=shown))
         if got is None:
             if what == "huge negative values":
-                raise Incorrect(f"{shown}: likely mistake: only large positive values were looked for; the "
-                                "limit applies to the absolute value (output.abs().max())")
+                raise Incorrect(_("{shown}: likely mistake: only large positive values were looked for; the "
+                                  "limit applies to the absolute value (output.abs().max())").format(shown=shown))
             if what.startswith("a NaN") or what.startswith("an overflow"):
-                raise Incorrect(f"{shown}: likely mistake: NaN and inf were not looked for (a NaN is not greater "
-                                "than the limit: every comparison with NaN is False); use torch.isfinite")
-            raise Incorrect(f"{shown}: no layer was reported, yet this layer's output exceeds the limit")
+                raise Incorrect(_("{shown}: likely mistake: NaN and inf were not looked for (a NaN is not greater "
+                                  "than the limit: every comparison with NaN is False); use "
+                                  "torch.isfinite").format(shown=shown))
+            raise Incorrect(_("{shown}: no layer was reported, yet this layer's output exceeds the "
+                              "limit").format(shown=shown))
         later = names.index(got) > names.index(expected) if got in names and expected in names else False
         if what.startswith("a NaN") and got == "late":
-            raise Incorrect(f"{shown}: likely mistake: the layers were examined in the order they are defined "
-                            "(named_modules()), not the order they run; record the first bad output as the hooks "
-                            "fire")
+            raise Incorrect(_("{shown}: likely mistake: the layers were examined in the order they are defined "
+                              "(named_modules()), not the order they run; record the first bad output as the hooks "
+                              "fire").format(shown=shown))
         if got in names and (later or what == "a module called twice"):
-            raise Incorrect(f"{shown}, a later layer: likely mistake: every bad layer overwrote the answer, so the "
-                            "last one wins; once NaN or a huge value appears, every later layer inherits it. Keep "
-                            "only the first")
+            raise Incorrect(_("{shown}, a later layer: likely mistake: every bad layer overwrote the answer, so the "
+                              "last one wins; once NaN or a huge value appears, every later layer inherits it. Keep "
+                              "only the first").format(shown=shown))
         raise Incorrect(shown)
     raising = _Raising()
     try:
@@ -504,10 +522,10 @@ def _check_first_bad_layer(first_bad_layer):
     except Incorrect:
         pass  # the error may come through; the hooks must not stay behind
     if _hooks_left(raising):
-        raise Incorrect("when the model's forward raised, first_bad_layer left its hooks behind: likely mistake: "
-                        "the hooks are removed after model(x), which an exception skips; remove them in a "
-                        "`finally` block")
-    return "forward hooks report the first leaf whose output is NaN, inf or too large, in the order they run"
+        raise Incorrect(_("when the model's forward raised, first_bad_layer left its hooks behind: likely mistake: "
+                          "the hooks are removed after model(x), which an exception skips; remove them in a "
+                          "`finally` block"))
+    return _("forward hooks report the first leaf whose output is NaN, inf or too large, in the order they run")
 
 
 _BAD_DOC = ("def first_bad_layer(model, x, limit=1e4):\n"
@@ -550,16 +568,16 @@ def _bad_variant(condition: str = "not (torch.isfinite(output).all() and output.
 
 
 register(Exercise(
-    id="02.5", title="A debugging hook: the first layer that goes wrong", answer="first_bad_layer",
+    id="02.5", title=N_("A debugging hook: the first layer that goes wrong"), answer="first_bad_layer",
     blank=_BAD_DOC + "    raise NotImplementedError  # your code here\n",
     solution=_BAD_SOLUTION,
     setup="import torch\nfrom torch import nn\n",
     checker=_check_first_bad_layer,
-    hints=["The same pattern as exercise 02.1: one forward hook per leaf module, removed in a finally block.",
-           "A hook fires when its module's forward returns, so the hooks fire in the order the layers run. Keep "
-           "only the first bad name: every later layer inherits a NaN or a huge value.",
-           "A NaN compares False with everything, so `output.abs().max() > limit` misses it: test "
-           "`torch.isfinite(output).all()` too."],
+    hints=[N_("The same pattern as exercise 02.1: one forward hook per leaf module, removed in a finally block."),
+           N_("A hook fires when its module's forward returns, so the hooks fire in the order the layers run. Keep "
+              "only the first bad name: every later layer inherits a NaN or a huge value."),
+           N_("A NaN compares False with everything, so `output.abs().max() > limit` misses it: test "
+              "`torch.isfinite(output).all()` too.")],
     mistakes=[
         Mistake(_bad_variant(first=False), "the last one wins"),
         Mistake(_bad_variant("bool(output.abs().max() > limit)"), "NaN and inf were not looked for"),

@@ -9,6 +9,7 @@ every check behaves the same with or without a GPU.
 from __future__ import annotations
 
 import io
+import re
 import warnings
 import zipfile
 from collections import OrderedDict
@@ -18,6 +19,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
+from ..i18n import N_, _
 from .core import Exercise, Incorrect, Mistake, call, describe, register
 
 
@@ -35,39 +37,43 @@ def _check_to_model(to_model):
         out = call(to_model, x, model, name="to_model", check_mutation=False)
     except Incorrect as exc:
         if "has no attribute 'device'" in str(exc):
-            raise Incorrect("model.device raised AttributeError: likely mistake: an nn.Module has no .device "
-                            "(its parameters could even live on several devices); ask one of its parameters: "
-                            "next(model.parameters()).device") from None
+            raise Incorrect(_("model.device raised AttributeError: likely mistake: an nn.Module has no .device "
+                              "(its parameters could even live on several devices); ask one of its parameters: "
+                              "next(model.parameters()).device")) from None
         raise
     if not torch.equal(x, x_before) or x.device.type != "cpu":
-        raise Incorrect("to_model changed x in place; return a new tensor and leave the caller's x as it was")
+        raise Incorrect(_("to_model changed x in place; return a new tensor and leave the caller's x as it was"))
     if out is x or (isinstance(out, torch.Tensor) and out.device.type == "cpu" and out.dtype == torch.float32):
-        raise Incorrect("to_model returned x unchanged (on cpu, float32) although the model is on meta in "
-                        "bfloat16: likely mistake: calling x.to(...) without assignment; for a tensor, .to() "
-                        "returns a new tensor and leaves x where it was")
+        raise Incorrect(_("to_model returned x unchanged (on cpu, float32) although the model is on meta in "
+                          "bfloat16: likely mistake: calling x.to(...) without assignment; for a tensor, .to() "
+                          "returns a new tensor and leaves x where it was"))
     if not isinstance(out, torch.Tensor):
-        raise Incorrect(f"to_model should return a tensor, got {describe(out)}")
+        raise Incorrect(_("to_model should return a tensor, got {value}").format(value=describe(out)))
     if out.shape != x.shape:
-        raise Incorrect(f"to_model changed the shape from {tuple(x.shape)} to {tuple(out.shape)}")
+        raise Incorrect(_("to_model changed the shape from {before} to {after}").format(
+            before=tuple(x.shape), after=tuple(out.shape)))
     if out.device != _first_param(model).device:
-        raise Incorrect(f"the result is on {out.device}, the model on {_first_param(model).device}: move x to "
-                        "the device of the model's parameters")
+        raise Incorrect(_("the result is on {device}, the model on {model_device}: move x to "
+                          "the device of the model's parameters").format(
+            device=out.device, model_device=_first_param(model).device))
     if out.dtype != torch.bfloat16:
-        raise Incorrect(f"the result is on the model's device but in {out.dtype}, the model in torch.bfloat16: "
-                        "likely mistake: only the device was converted; ask the parameter for its dtype too")
+        raise Incorrect(_("the result is on the model's device but in {dtype}, the model in torch.bfloat16: "
+                          "likely mistake: only the device was converted; ask the parameter for its dtype too"
+                          ).format(dtype=out.dtype))
     # A second model (CPU, float64): the answer must follow the model, not hard-code meta or bfloat16.
     model64 = nn.Linear(4, 3).double()
     out64 = call(to_model, x, model64, name="to_model", check_mutation=False)
     if not isinstance(out64, torch.Tensor) or out64.dtype != torch.float64 or out64.device.type != "cpu":
-        raise Incorrect(f"for a float64 model on the CPU, to_model returned {describe(out64)}: read the device "
-                        "and dtype from the model you are given instead of fixing them in the code")
+        raise Incorrect(_("for a float64 model on the CPU, to_model returned {value}: read the device "
+                          "and dtype from the model you are given instead of fixing them in the code"
+                          ).format(value=describe(out64)))
     if not torch.equal(out64, x.double()):
-        raise Incorrect("the values changed: converting should keep them (up to the new dtype's precision)")
-    return "x now follows the model, whichever device and dtype that is"
+        raise Incorrect(_("the values changed: converting should keep them (up to the new dtype's precision)"))
+    return _("x now follows the model, whichever device and dtype that is")
 
 
 register(Exercise(
-    id="03.1", title="Follow the model", answer="to_model",
+    id="03.1", title=N_("Follow the model"), answer="to_model",
     blank=("def to_model(x, model):\n"
            "    \"\"\"Return x on the same device and in the same dtype as model's parameters.\"\"\"\n"
            "    raise NotImplementedError  # your code here\n"),
@@ -77,8 +83,8 @@ register(Exercise(
               "    return x.to(device=param.device, dtype=param.dtype)\n"),
     setup="import torch\nfrom torch import nn\n",
     checker=_check_to_model,
-    hints=["A module has no .device attribute; its parameters do: next(model.parameters()).",
-           "Tensor.to accepts both at once: x.to(device=..., dtype=...). It returns a new tensor: return it."],
+    hints=[N_("A module has no .device attribute; its parameters do: next(model.parameters())."),
+           N_("Tensor.to accepts both at once: x.to(device=..., dtype=...). It returns a new tensor: return it.")],
     mistakes=[
         Mistake("def to_model(x, model):\n    return x.to(model.device)\n", "has no .device"),
         Mistake("def to_model(x, model):\n    x.to(next(model.parameters()).device)\n    return x\n",
@@ -113,36 +119,52 @@ def _compare(moved, original, where: str, device: torch.device) -> None:
     """`moved` must mirror `original` with every tensor on `device`; raises Incorrect otherwise."""
     if isinstance(original, torch.Tensor):
         if not isinstance(moved, torch.Tensor):
-            raise Incorrect(f"{where} should be a tensor, got {describe(moved)}")
+            raise Incorrect(_("{where} should be a tensor, got {value}").format(where=where, value=describe(moved)))
         if moved.device != device:
-            raise Incorrect(f"{where} is on {moved.device}, not on {device}: every tensor in the batch must be "
-                            "moved, however deeply it is nested (recurse into lists, tuples and dicts)")
+            raise Incorrect(_("{where} is on {actual}, not on {device}: every tensor in the batch must be "
+                              "moved, however deeply it is nested (recurse into lists, tuples and dicts)").format(
+                where=where, actual=moved.device, device=device))
         if moved.shape != original.shape or moved.dtype != original.dtype:
-            raise Incorrect(f"{where} changed from {tuple(original.shape)} {original.dtype} to "
-                            f"{tuple(moved.shape)} {moved.dtype}: move it, don't convert it")
+            raise Incorrect(_("{where} changed from {shape} {dtype} to {new_shape} {new_dtype}: move it, "
+                              "don't convert it").format(where=where, shape=tuple(original.shape),
+                                                         dtype=original.dtype, new_shape=tuple(moved.shape),
+                                                         new_dtype=moved.dtype))
         return
     if isinstance(original, (list, tuple, dict)):
         if type(moved) is not type(original):
             if isinstance(original, OrderedDict):
-                raise Incorrect(f"{where} was an OrderedDict and came back as {describe(moved)}: likely mistake: a "
-                                "dict comprehension always builds a plain dict; build the same type, e.g. "
-                                "type(batch)((key, ...) for key, value in batch.items())")
-            raise Incorrect(f"{where} was a {type(original).__name__} and came back as {describe(moved)}: "
-                            "keep each container's type (tuple stays tuple, list stays list)")
+                raise Incorrect(_("{where} was an OrderedDict and came back as {value}: likely mistake: a "
+                                  "dict comprehension always builds a plain dict; build the same type, e.g. "
+                                  "type(batch)((key, ...) for key, value in batch.items())").format(
+                    where=where, value=describe(moved)))
+            raise Incorrect(_("{where} was a {type} and came back as {value}: "
+                              "keep each container's type (tuple stays tuple, list stays list)").format(
+                where=where, type=type(original).__name__, value=describe(moved)))
         if isinstance(original, dict):
             if set(moved) != set(original):
-                raise Incorrect(f"{where} has keys {sorted(moved)}, expected {sorted(original)}")
+                raise Incorrect(_("{where} has keys {keys}, expected {expected}").format(
+                    where=where, keys=sorted(moved), expected=sorted(original)))
             for key in original:
                 _compare(moved[key], original[key], f"{where}[{key!r}]", device)
         else:
             if len(moved) != len(original):
-                raise Incorrect(f"{where} has {len(moved)} items, expected {len(original)}")
+                raise Incorrect(_("{where} has {count} items, expected {expected}").format(
+                    where=where, count=len(moved), expected=len(original)))
             for i, (m, o) in enumerate(zip(moved, original)):
                 _compare(m, o, f"{where}[{i}]", device)
         return
     if moved is not original and moved != original:
-        raise Incorrect(f"{where} was {original!r} and came back as {describe(moved)}: values that are not "
-                        "tensors should pass through unchanged")
+        raise Incorrect(_("{where} was {original!r} and came back as {value}: values that are not "
+                          "tensors should pass through unchanged").format(
+            where=where, original=original, value=describe(moved)))
+
+
+def _raised(message: str) -> str:
+    """The "Error: text" part of the feedback `call` gives for an exception (in English or in Chinese)."""
+    if " raised " in message:
+        return message.split(" raised ", 1)[-1]
+    found = re.search(r"\b\w*(?:Error|Exception)\b.*", message, re.S)
+    return found.group(0) if found else message
 
 
 def _check_move_batch(move_batch):
@@ -153,28 +175,28 @@ def _check_move_batch(move_batch):
     try:
         out = call(move_batch, batch, target, name="move_batch", check_mutation=False)
     except Incorrect as exc:
-        what = str(exc).split(" raised ", 1)[-1]
+        what = _raised(str(exc))
         if "has no attribute 'to'" in str(exc):
-            raise Incorrect(f"move_batch raised {what}: likely mistake: .to() was called on something that is not "
-                            "a tensor; recurse into lists, tuples and dicts, and return anything else unchanged"
-                            ) from None
+            raise Incorrect(_("move_batch raised {error}: likely mistake: .to() was called on something that is "
+                              "not a tensor; recurse into lists, tuples and dicts, and return anything else "
+                              "unchanged").format(error=what)) from None
         if "missing 1 required positional argument" in str(exc):
-            raise Incorrect(f"move_batch raised {what}: likely mistake: batch['boxes'] is a namedtuple, whose "
-                            "constructor takes the fields as separate arguments, not one iterable: for a "
-                            "namedtuple write type(batch)(*items)") from None
+            raise Incorrect(_("move_batch raised {error}: likely mistake: batch['boxes'] is a namedtuple, whose "
+                              "constructor takes the fields as separate arguments, not one iterable: for a "
+                              "namedtuple write type(batch)(*items)").format(error=what)) from None
         raise
     now = _leaves(batch) + [batch[key] for key in ("extra", "pair", "boxes", "meta")]
     if any(a is not b for a, b in zip(before, now)):
-        raise Incorrect("move_batch changed the caller's batch in place (its dict or list now holds the moved "
-                        "tensors); build new containers and leave the input as it was")
+        raise Incorrect(_("move_batch changed the caller's batch in place (its dict or list now holds the moved "
+                          "tensors); build new containers and leave the input as it was"))
     if out is None:
-        raise Incorrect("move_batch returned None: did you forget a `return`?")
+        raise Incorrect(_("move_batch returned None: did you forget a `return`?"))
     _compare(out, _sample_batch(), "batch", target)
     single = call(move_batch, torch.ones(3), target, name="move_batch", check_mutation=False)
-    _compare(single, torch.ones(3), "a bare tensor", target)
+    _compare(single, torch.ones(3), _("a bare tensor"), target)
     if call(move_batch, "text", target, name="move_batch", check_mutation=False) != "text":
-        raise Incorrect("move_batch('text', device) should return 'text' unchanged")
-    return "every tensor moved, the structure and the other values kept, the caller's batch untouched"
+        raise Incorrect(_("move_batch('text', device) should return 'text' unchanged"))
+    return _("every tensor moved, the structure and the other values kept, the caller's batch untouched")
 
 
 _MOVE_DOC = ("def move_batch(batch, device):\n"
@@ -182,7 +204,7 @@ _MOVE_DOC = ("def move_batch(batch, device):\n"
              "    dict of batches (nested); anything else comes back unchanged.\"\"\"\n")
 
 register(Exercise(
-    id="03.2", title="Move a nested batch", answer="move_batch",
+    id="03.2", title=N_("Move a nested batch"), answer="move_batch",
     blank=_MOVE_DOC + "    raise NotImplementedError  # your code here\n",
     solution=_MOVE_DOC + (
         "    if isinstance(batch, torch.Tensor):\n"
@@ -196,12 +218,12 @@ register(Exercise(
         "    return batch\n"),
     setup="import torch\n",
     checker=_check_move_batch,
-    hints=["Handle four cases: a tensor (move it), a list or tuple, a dict, anything else (return it as is).",
-           "For the containers, call move_batch on each item: that handles any depth of nesting.",
-           "type(batch)(... for item in batch) rebuilds a list as a list and a tuple as a tuple, and "
-           "type(batch)((key, value) ...) a dict or an OrderedDict as what it was.",
-           "A namedtuple is a tuple with `_fields`; its constructor takes one argument per field: "
-           "type(batch)(*items)."],
+    hints=[N_("Handle four cases: a tensor (move it), a list or tuple, a dict, anything else (return it as is)."),
+           N_("For the containers, call move_batch on each item: that handles any depth of nesting."),
+           N_("type(batch)(... for item in batch) rebuilds a list as a list and a tuple as a tuple, and "
+              "type(batch)((key, value) ...) a dict or an OrderedDict as what it was."),
+           N_("A namedtuple is a tuple with `_fields`; its constructor takes one argument per field: "
+              "type(batch)(*items).")],
     mistakes=[
         Mistake("def move_batch(batch, device):\n    return {k: v.to(device) for k, v in batch.items()}\n",
                 "recurse into lists"),
@@ -279,7 +301,7 @@ def _expected_settings(sample_ms, step_ms, batch_size, cores, device_type) -> di
 
 def _check_loader_settings(loader_settings):
     if isinstance(loader_settings, type) or not callable(loader_settings):
-        raise Incorrect(f"loader_settings should be a function, got {describe(loader_settings)}")
+        raise Incorrect(_("loader_settings should be a function, got {value}").format(value=describe(loader_settings)))
     import math
     for case in _FEED_CASES:
         sample_ms, step_ms, batch_size, cores, device_type = case
@@ -287,58 +309,70 @@ def _check_loader_settings(loader_settings):
                  f"cores={cores}, device_type={device_type!r})")
         got = call(loader_settings, *case, name="loader_settings")
         if not isinstance(got, dict):
-            raise Incorrect(f"{label} should return a dict of DataLoader arguments, got {describe(got)}")
+            raise Incorrect(_("{label} should return a dict of DataLoader arguments, got {value}").format(
+                label=label, value=describe(got)))
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # "this DataLoader will create N worker processes": not on this machine
                 DataLoader(_Samples(), **got)
         except (TypeError, ValueError) as exc:
             if "persistent_workers" in str(exc):
-                raise Incorrect(f"{label}: DataLoader(**settings) raised {type(exc).__name__}: {exc}: likely "
-                                "mistake: persistent_workers=True with num_workers=0; there are no workers to keep"
-                                ) from None
-            raise Incorrect(f"{label}: DataLoader(**settings) raised {type(exc).__name__}: {exc}") from None
+                raise Incorrect(_("{label}: DataLoader(**settings) raised {error}: {message}: likely "
+                                  "mistake: persistent_workers=True with num_workers=0; there are no workers to "
+                                  "keep").format(label=label, error=type(exc).__name__, message=exc)) from None
+            raise Incorrect(_("{label}: DataLoader(**settings) raised {error}: {message}").format(
+                label=label, error=type(exc).__name__, message=exc)) from None
         expected = _expected_settings(*case)
         workers = got.get("num_workers", 0)
         if got.get("batch_size", 1) != batch_size:
-            raise Incorrect(f"{label} returned batch_size={got.get('batch_size', 1)!r}: the step was timed at "
-                            f"batch {batch_size}; keep it")
+            raise Incorrect(_("{label} returned batch_size={value!r}: the step was timed at "
+                              "batch {batch_size}; keep it").format(label=label, value=got.get("batch_size", 1),
+                                                                    batch_size=batch_size))
         if workers != expected["num_workers"]:
             per_batch = batch_size * sample_ms
             needed = math.ceil(per_batch / step_ms) if sample_ms > 0 else 0
             if sample_ms == 0:
-                raise Incorrect(f"{label} returned num_workers={workers}: with no per-sample work (data already in "
-                                "memory) workers only add start-up and the trip through shared memory; use 0")
+                raise Incorrect(_("{label} returned num_workers={workers}: with no per-sample work (data already in "
+                                  "memory) workers only add start-up and the trip through shared memory; use 0"
+                                  ).format(label=label, workers=workers))
             if workers > cores - 1:
-                raise Incorrect(f"{label} returned num_workers={workers}, on {cores} cores: likely mistake: more "
-                                "workers than the cores beside the main process; they only compete with each "
-                                f"other and with the training loop. Use at most cores - 1 = {cores - 1}")
+                raise Incorrect(_("{label} returned num_workers={workers}, on {cores} cores: likely mistake: more "
+                                  "workers than the cores beside the main process; they only compete with each "
+                                  "other and with the training loop. Use at most cores - 1 = {most}").format(
+                    label=label, workers=workers, cores=cores, most=cores - 1))
             if workers < expected["num_workers"]:
                 supply = per_batch / workers if workers else per_batch + step_ms
-                raise Incorrect(f"{label} returned num_workers={workers}: one worker prepares a batch in "
-                                f"batch_size x sample_ms = {per_batch:g} ms, so {workers} supply one every "
-                                f"{supply:g} ms, slower than the {step_ms:g} ms step: likely mistake: rounding down "
-                                f"(or forgetting the batch size); {needed} workers are needed")
-            raise Incorrect(f"{label} returned num_workers={workers}: {expected['num_workers']} keep up with the "
-                            f"step (each prepares a batch in {per_batch:g} ms); more only cost start-up and memory")
+                raise Incorrect(_("{label} returned num_workers={workers}: one worker prepares a batch in "
+                                  "batch_size x sample_ms = {per_batch:g} ms, so {workers} supply one every "
+                                  "{supply:g} ms, slower than the {step_ms:g} ms step: likely mistake: rounding down "
+                                  "(or forgetting the batch size); {needed} workers are needed").format(
+                    label=label, workers=workers, per_batch=per_batch, supply=supply, step_ms=step_ms,
+                    needed=needed))
+            raise Incorrect(_("{label} returned num_workers={workers}: {expected} keep up with the "
+                              "step (each prepares a batch in {per_batch:g} ms); more only cost start-up and memory"
+                              ).format(label=label, workers=workers, expected=expected["num_workers"],
+                                       per_batch=per_batch))
         if bool(got.get("persistent_workers", False)) != expected["persistent_workers"]:
-            raise Incorrect(f"{label} returned persistent_workers={got.get('persistent_workers', False)!r}: likely "
-                            "mistake: without it the workers are started again at every epoch (the first batch of "
-                            "each epoch waits for them); keep them with persistent_workers=True")
+            raise Incorrect(_("{label} returned persistent_workers={value!r}: likely "
+                              "mistake: without it the workers are started again at every epoch (the first batch of "
+                              "each epoch waits for them); keep them with persistent_workers=True").format(
+                label=label, value=got.get("persistent_workers", False)))
         if bool(got.get("pin_memory", False)) != expected["pin_memory"]:
             if device_type != "cuda":
-                raise Incorrect(f"{label} returned pin_memory=True: likely mistake: pinned memory is for copies to "
-                                "a CUDA GPU; without one there is nothing to pin for (DataLoader warns)")
+                raise Incorrect(_("{label} returned pin_memory=True: likely mistake: pinned memory is for copies to "
+                                  "a CUDA GPU; without one there is nothing to pin for (DataLoader warns)").format(
+                    label=label))
             if workers == 0:
-                raise Incorrect(f"{label} returned pin_memory=True with no workers: likely mistake: then the main "
-                                "process pins every batch itself, between steps: that is pinning on the fly, which "
-                                "costs about what the plain copy it replaces costs. Pin when workers (and the "
-                                "loader's pinning thread) do it in the background")
-            raise Incorrect(f"{label} returned pin_memory=False: with workers, the loader's pinning thread pins "
-                            "each batch in the background, and a pinned batch copies faster (and with "
-                            "non_blocking=True without making the CPU wait); use pin_memory=True on CUDA")
-    return ("each worker prepares a batch in batch_size x sample_ms; ceil(that / step_ms) workers keep up, within "
-            "the cores beside the main process, kept alive between epochs, pinning in the background on CUDA")
+                raise Incorrect(_("{label} returned pin_memory=True with no workers: likely mistake: then the main "
+                                  "process pins every batch itself, between steps: that is pinning on the fly, "
+                                  "which costs about what the plain copy it replaces costs. Pin when workers (and "
+                                  "the loader's pinning thread) do it in the background").format(label=label))
+            raise Incorrect(_("{label} returned pin_memory=False: with workers, the loader's pinning thread pins "
+                              "each batch in the background, and a pinned batch copies faster (and with "
+                              "non_blocking=True without making the CPU wait); use pin_memory=True on CUDA"
+                              ).format(label=label))
+    return _("each worker prepares a batch in batch_size x sample_ms; ceil(that / step_ms) workers keep up, within "
+             "the cores beside the main process, kept alive between epochs, pinning in the background on CUDA")
 
 
 _FEED_DOC = ("def loader_settings(sample_ms, step_ms, batch_size, cores, device_type):\n"
@@ -359,17 +393,17 @@ def _feed(workers: str, persistent: str = "workers > 0", pin: str = "device_type
 
 
 register(Exercise(
-    id="03.3", title="A DataLoader that feeds the step", answer="loader_settings",
+    id="03.3", title=N_("A DataLoader that feeds the step"), answer="loader_settings",
     blank=_FEED_DOC + "    raise NotImplementedError  # your code here\n",
     solution=_FEED_SOLUTION,
     setup="import math\n",
     checker=_check_loader_settings,
-    hints=["One worker prepares a whole batch: batch_size * sample_ms milliseconds. k workers working side by side "
-           "deliver k batches in that time; the loop consumes one every step_ms.",
-           "Round up (math.ceil): 6.4 workers' worth of work needs 7. No per-sample work needs no workers. Leave "
-           "one core for the main process.",
-           "persistent_workers only makes sense with workers; pin_memory only with a CUDA GPU, and pays when "
-           "workers run (the loader then pins in a background thread)."],
+    hints=[N_("One worker prepares a whole batch: batch_size * sample_ms milliseconds. k workers working side by "
+              "side deliver k batches in that time; the loop consumes one every step_ms."),
+           N_("Round up (math.ceil): 6.4 workers' worth of work needs 7. No per-sample work needs no workers. Leave "
+              "one core for the main process."),
+           N_("persistent_workers only makes sense with workers; pin_memory only with a CUDA GPU, and pays when "
+              "workers run (the loader then pins in a background thread).")],
     mistakes=[
         Mistake(_feed("4"), "more only cost"),
         Mistake(_feed("int(batch_size * sample_ms / step_ms)"), "rounding down"),
@@ -442,17 +476,20 @@ def _check_load_weights(load_weights):
         out = call(load_weights, io.BytesIO(elsewhere), model, name="load_weights", check_mutation=False)
     except Incorrect as exc:
         if "deserialize" in str(exc):
-            raise Incorrect("torch.load failed on a checkpoint saved on a GPU this machine does not have: likely "
-                            "mistake: no map_location; map the tensors to the model's device while loading") from None
+            raise Incorrect(_("torch.load failed on a checkpoint saved on a GPU this machine does not have: likely "
+                              "mistake: no map_location; map the tensors to the model's device while loading"
+                              )) from None
         raise
     if out is not model:
         if isinstance(out, tuple) and hasattr(out, "missing_keys"):
-            raise Incorrect("load_weights returned what load_state_dict returns (missing and unexpected keys): "
-                            "return the model itself")
-        raise Incorrect(f"load_weights should return the model it was given, got {describe(out)}")
+            raise Incorrect(_("load_weights returned what load_state_dict returns (missing and unexpected keys): "
+                              "return the model itself"))
+        raise Incorrect(_("load_weights should return the model it was given, got {value}").format(
+            value=describe(out)))
     for name, p in model.named_parameters():
         if not torch.equal(p.detach().cpu(), saved.state_dict()[name]):
-            raise Incorrect(f"after loading, {name} does not hold the saved values: call model.load_state_dict")
+            raise Incorrect(_("after loading, {name} does not hold the saved values: call model.load_state_dict"
+                              ).format(name=name))
     # A booby-trapped file: unpickling it calls a function. Loading it must fail, not run that function.
     trap = io.BytesIO()
     torch.save({"weight": torch.zeros(2, 3), "bias": _Trap()}, trap)
@@ -463,10 +500,10 @@ def _check_load_weights(load_weights):
     except Incorrect:
         pass  # refusing the file is the right outcome
     if _payload_runs:
-        raise Incorrect("loading a booby-trapped file ran the function hidden in it: likely mistake: "
-                        "weights_only=False; unpickling can run any code, so load with weights_only=True "
-                        "(the default since torch 2.6) and only tensors and plain containers come back")
-    return "weights mapped onto the model's device, and code hidden in a file does not run"
+        raise Incorrect(_("loading a booby-trapped file ran the function hidden in it: likely mistake: "
+                          "weights_only=False; unpickling can run any code, so load with weights_only=True "
+                          "(the default since torch 2.6) and only tensors and plain containers come back"))
+    return _("weights mapped onto the model's device, and code hidden in a file does not run")
 
 
 _LOAD_DOC = ("def load_weights(source, model):\n"
@@ -474,7 +511,7 @@ _LOAD_DOC = ("def load_weights(source, model):\n"
              "    lives, without running code from the file; return model.\"\"\"\n")
 
 register(Exercise(
-    id="03.4", title="A checkpoint from another device", answer="load_weights",
+    id="03.4", title=N_("A checkpoint from another device"), answer="load_weights",
     blank=_LOAD_DOC + "    raise NotImplementedError  # your code here\n",
     solution=_LOAD_DOC + (
         "    device = next(model.parameters()).device\n"
@@ -483,11 +520,12 @@ register(Exercise(
         "    return model\n"),
     setup="import torch\n",
     checker=_check_load_weights,
-    hints=["torch.load(source, map_location=...) decides where the tensors land, whatever device the file names.",
-           "Map them to the device of the model's parameters; weights_only=True refuses anything but tensors "
-           "and plain containers.",
-           "model.load_state_dict(state) copies the values in; it returns the missing/unexpected keys, not the "
-           "model."],
+    hints=[N_("torch.load(source, map_location=...) decides where the tensors land, whatever device the file "
+              "names."),
+           N_("Map them to the device of the model's parameters; weights_only=True refuses anything but tensors "
+              "and plain containers."),
+           N_("model.load_state_dict(state) copies the values in; it returns the missing/unexpected keys, not the "
+              "model.")],
     mistakes=[
         Mistake(_LOAD_DOC + "    model.load_state_dict(torch.load(source, weights_only=True))\n    return model\n",
                 "no map_location"),

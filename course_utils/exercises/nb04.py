@@ -15,6 +15,7 @@ import time
 import torch
 
 from ._sync import HostReads, on_device
+from ..i18n import N_, _
 from .core import Exercise, Incorrect, Mistake, call, describe, register
 
 _READ_OP = "aten::_local_scalar_dense"  # every scalar read: .item(), float(), int(), bool(), formatting
@@ -25,7 +26,8 @@ def _as_number(value, label: str, what: str) -> float:
     if isinstance(value, torch.Tensor) and value.numel() == 1:
         value = float(value)
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise Incorrect(f"{label} should return {what}, got {describe(value)}")
+        raise Incorrect(_("{label} should return {what}, got {value}").format(
+            label=label, what=what, value=describe(value)))
     return float(value)
 
 
@@ -68,46 +70,49 @@ _WARMUP, _REPEATS = 3, 5
 def _check_median_time(median_time):
     gpu = _SimulatedGPU(_WORK)
     result = call(median_time, gpu.launch, gpu.sync, _WARMUP, _REPEATS, name="median_time", check_mutation=False)
-    seconds = _as_number(result, "median_time", "a number of seconds")
+    seconds = _as_number(result, "median_time", _("a number of seconds"))
     if gpu.launches == _REPEATS:
-        raise Incorrect(f"fn was called {_REPEATS} times, not warmup + repeats = {_WARMUP + _REPEATS}: likely "
-                        "mistake: the warm-up calls are missing; the first calls pay one-time costs and must not "
-                        "be timed")
+        raise Incorrect(_("fn was called {repeats} times, not warmup + repeats = {expected}: likely "
+                          "mistake: the warm-up calls are missing; the first calls pay one-time costs and must not "
+                          "be timed").format(repeats=_REPEATS, expected=_WARMUP + _REPEATS))
     if gpu.launches != _WARMUP + _REPEATS:
-        raise Incorrect(f"fn was called {gpu.launches} times; expected warmup + repeats = {_WARMUP + _REPEATS}")
+        raise Incorrect(_("fn was called {launches} times; expected warmup + repeats = {expected}").format(
+            launches=gpu.launches, expected=_WARMUP + _REPEATS))
     if seconds < 0.001:
-        raise Incorrect(f"median_time returned {seconds * 1e6:.0f} us, but each call queues at least 4 ms of work: "
-                        "likely mistake: the clock was read before sync() returned, so you timed the launch, not "
-                        "the work. Call sync() after fn() and before reading the clock")
+        raise Incorrect(_("median_time returned {us:.0f} us, but each call queues at least 4 ms of work: "
+                          "likely mistake: the clock was read before sync() returned, so you timed the launch, not "
+                          "the work. Call sync() after fn() and before reading the clock").format(us=seconds * 1e6))
     if gpu.pending:
-        raise Incorrect("the work of the last call was never waited for: likely mistake: sync() runs before fn() "
-                        "instead of after it, so each time ends before its own work is done (and includes the "
-                        "previous call's). Per timed call: read the clock, fn(), sync(), read the clock")
+        raise Incorrect(_("the work of the last call was never waited for: likely mistake: sync() runs before fn() "
+                          "instead of after it, so each time ends before its own work is done (and includes the "
+                          "previous call's). Per timed call: read the clock, fn(), sync(), read the clock"))
     if any(min(group) < _WARMUP <= max(group) for group in gpu.waited_for):
-        raise Incorrect("the first timed sync() also waited for the warm-up's queued work: likely mistake: no "
-                        "sync() after the warm-up calls, so the first timed call includes them. Call sync() once "
-                        "after the warm-up, before the first clock read")
+        raise Incorrect(_("the first timed sync() also waited for the warm-up's queued work: likely mistake: no "
+                          "sync() after the warm-up calls, so the first timed call includes them. Call sync() once "
+                          "after the warm-up, before the first clock read"))
     timed = [gpu.done[k] for k in range(_WARMUP, _WARMUP + _REPEATS) if k in gpu.done]
     if len(timed) != _REPEATS:
-        raise Incorrect("each timed call should be followed by its own sync() (fn(), sync(), read the clock): "
-                        "one sync() after several calls times them together")
+        raise Incorrect(_("each timed call should be followed by its own sync() (fn(), sync(), read the clock): "
+                          "one sync() after several calls times them together"))
     median, mean = statistics.median(timed), statistics.fmean(timed)
     every = [gpu.done[k] for k in range(_WARMUP + _REPEATS) if k in gpu.done]
     if len(every) == _WARMUP + _REPEATS:
         with_warmup = statistics.median(every)
         if abs(seconds - with_warmup) < abs(seconds - median):
-            raise Incorrect(f"median_time returned {seconds * 1e3:.1f} ms, the median of the warm-up and the timed "
-                            f"calls together ({with_warmup * 1e3:.1f} ms), not of the timed ones "
-                            f"({median * 1e3:.1f} ms): likely mistake: the warm-up calls are timed too; leave them "
-                            "out of the times")
+            raise Incorrect(_("median_time returned {ms:.1f} ms, the median of the warm-up and the timed "
+                              "calls together ({with_warmup_ms:.1f} ms), not of the timed ones "
+                              "({median_ms:.1f} ms): likely mistake: the warm-up calls are timed too; leave them "
+                              "out of the times").format(ms=seconds * 1e3, with_warmup_ms=with_warmup * 1e3,
+                                                         median_ms=median * 1e3))
     if abs(seconds - mean) < abs(seconds - median):
-        raise Incorrect(f"median_time returned {seconds * 1e3:.1f} ms, close to the mean of the timed calls "
-                        f"({mean * 1e3:.1f} ms), not their median ({median * 1e3:.1f} ms): likely mistake: the mean; "
-                        "one slow call (another process, a page fault) drags it up, the median ignores it")
+        raise Incorrect(_("median_time returned {ms:.1f} ms, close to the mean of the timed calls "
+                          "({mean_ms:.1f} ms), not their median ({median_ms:.1f} ms): likely mistake: the mean; "
+                          "one slow call (another process, a page fault) drags it up, the median ignores it").format(
+            ms=seconds * 1e3, mean_ms=mean * 1e3, median_ms=median * 1e3))
     if abs(seconds - median) > 0.25 * median + 0.001:
-        raise Incorrect(f"median_time returned {seconds * 1e3:.1f} ms; the median of the timed calls was "
-                        f"{median * 1e3:.1f} ms")
-    return f"{seconds * 1e3:.0f} ms per call: warmed up, synchronized, robust to the slow outlier"
+        raise Incorrect(_("median_time returned {ms:.1f} ms; the median of the timed calls was "
+                          "{median_ms:.1f} ms").format(ms=seconds * 1e3, median_ms=median * 1e3))
+    return _("{ms:.0f} ms per call: warmed up, synchronized, robust to the slow outlier").format(ms=seconds * 1e3)
 
 
 _TIME_DOC = ("def median_time(fn, sync, warmup=2, repeats=5):\n"
@@ -115,7 +120,7 @@ _TIME_DOC = ("def median_time(fn, sync, warmup=2, repeats=5):\n"
              "    sync() before the clock is read; return the median.\"\"\"\n")
 
 register(Exercise(
-    id="04.1", title="Timing an asynchronous device", answer="median_time",
+    id="04.1", title=N_("Timing an asynchronous device"), answer="median_time",
     blank=_TIME_DOC + "    raise NotImplementedError  # your code here\n",
     solution=_TIME_DOC + (
         "    for _ in range(warmup):\n"
@@ -131,9 +136,9 @@ register(Exercise(
     setup="import statistics\nimport time\n",
     checker=_check_median_time,
     timeout=5.0,
-    hints=["fn() only queues the work, like a CUDA kernel launch; sync() waits until the work is done.",
-           "Read time.perf_counter() before fn() and again after sync(); collect `repeats` such times.",
-           "statistics.median(times)."],
+    hints=[N_("fn() only queues the work, like a CUDA kernel launch; sync() waits until the work is done."),
+           N_("Read time.perf_counter() before fn() and again after sync(); collect `repeats` such times."),
+           N_("statistics.median(times).")],
     mistakes=[
         Mistake(_TIME_DOC + (
             "    times = []\n"
@@ -222,23 +227,28 @@ def _check_epoch_mean_loss(epoch_mean_loss):
     with HostReads() as reads:
         result = call(epoch_mean_loss, train_step, len(_LOSSES), name="epoch_mean_loss", check_mutation=False)
     if len(calls) != len(_LOSSES):
-        raise Incorrect(f"train_step was called {len(calls)} times for steps={len(_LOSSES)}")
+        raise Incorrect(_("train_step was called {calls} times for steps={steps}").format(
+            calls=len(calls), steps=len(_LOSSES)))
     if reads.total >= len(_LOSSES):
-        raise Incorrect(f"{reads.total} CPU-GPU syncs for {len(_LOSSES)} steps ({reads.describe()}): likely mistake: "
-                        "the loss is brought to the host every step; each of these waits for the GPU. Keep the "
-                        "running sum a tensor on the device and read it once, at the end")
+        raise Incorrect(_("{total} CPU-GPU syncs for {steps} steps ({reads}): likely mistake: "
+                          "the loss is brought to the host every step; each of these waits for the GPU. Keep the "
+                          "running sum a tensor on the device and read it once, at the end").format(
+            total=reads.total, steps=len(_LOSSES), reads=reads.describe()))
     if isinstance(result, torch.Tensor):
-        raise Incorrect(f"epoch_mean_loss returned {describe(result)}: return a Python float (read it with "
-                        ".item() once, at the end)")
-    value = _as_number(result, "epoch_mean_loss", "the mean loss as a number")
+        raise Incorrect(_("epoch_mean_loss returned {value}: return a Python float (read it with "
+                          ".item() once, at the end)").format(value=describe(result)))
+    value = _as_number(result, "epoch_mean_loss", _("the mean loss as a number"))
     expected = sum(_LOSSES) / len(_LOSSES)
     if math.isclose(value, sum(_LOSSES)):
-        raise Incorrect(f"got {value}, the sum of the losses: divide by the number of steps for the mean")
+        raise Incorrect(_("got {value}, the sum of the losses: divide by the number of steps for the mean").format(
+            value=value))
     if not math.isclose(value, expected, rel_tol=1e-6):
-        raise Incorrect(f"the mean of the losses {_LOSSES} is {expected}, got {value!r}")
+        raise Incorrect(_("the mean of the losses {losses} is {expected}, got {value!r}").format(
+            losses=_LOSSES, expected=expected, value=value))
     if reads.total > 1:
-        raise Incorrect(f"{reads.total} syncs ({reads.describe()}): one is enough (a single .item() at the end)")
-    return "the mean loss of the epoch, read with a single sync"
+        raise Incorrect(_("{total} syncs ({reads}): one is enough (a single .item() at the end)").format(
+            total=reads.total, reads=reads.describe()))
+    return _("the mean loss of the epoch, read with a single sync")
 
 
 _EPOCH_DOC = ("def epoch_mean_loss(train_step, steps):\n"
@@ -246,15 +256,15 @@ _EPOCH_DOC = ("def epoch_mean_loss(train_step, steps):\n"
               "    and return the mean loss as a Python float, with one CPU-GPU sync at the end.\"\"\"\n")
 
 register(Exercise(
-    id="04.2", title="One sync per epoch", answer="epoch_mean_loss",
+    id="04.2", title=N_("One sync per epoch"), answer="epoch_mean_loss",
     blank=_EPOCH_DOC + "    raise NotImplementedError  # your code here\n",
     solution=_EPOCH_DOC + (
         "    losses = [train_step().detach() for _ in range(steps)]\n"
         "    return torch.stack(losses).mean().item()  # the one sync\n"),
     setup="import torch\n",
     checker=_check_epoch_mean_loss,
-    hints=["Adding tensors on the device queues work without waiting for it; .item() waits.",
-           "Keep the detached losses (or a running tensor sum) and call .item() once, on the mean."],
+    hints=[N_("Adding tensors on the device queues work without waiting for it; .item() waits."),
+           N_("Keep the detached losses (or a running tensor sum) and call .item() once, on the mean.")],
     mistakes=[
         Mistake(_EPOCH_DOC + "    return sum(train_step().item() for _ in range(steps)) / steps\n", ".item() x5"),
         Mistake(_EPOCH_DOC + ("    total = 0.0\n    for _ in range(steps):\n        total += float(train_step())\n"
@@ -312,39 +322,41 @@ class _Machine:
 
 def _check_speedup(speedup):
     if isinstance(speedup, type) or not callable(speedup):
-        raise Incorrect(f"speedup should be a function, got {describe(speedup)}")
+        raise Incorrect(_("speedup should be a function, got {value}").format(value=describe(speedup)))
     rounds = 5
     machine = _Machine()
     result = call(speedup, lambda: machine.run("b"), lambda: machine.run("c"), machine.clock, rounds,
                   name="speedup", check_mutation=False)
-    value = _as_number(result, "speedup", "a number (how many times faster candidate is)")
+    value = _as_number(result, "speedup", _("a number (how many times faster candidate is)"))
     if machine.clock_reads == 0:
-        raise Incorrect("clock() was never read: likely mistake: timing with time.perf_counter(); this machine is "
-                        "simulated, so time it with the clock you are given")
+        raise Incorrect(_("clock() was never read: likely mistake: timing with time.perf_counter(); this machine is "
+                          "simulated, so time it with the clock you are given"))
     n_b, n_c = machine.calls.count("b"), machine.calls.count("c")
     if (n_b, n_c) == (rounds, rounds):
-        raise Incorrect(f"each function was called {rounds} times, not rounds + 1 = {rounds + 1}: likely mistake: "
-                        "the warm-up call is missing; the first call of each pays one-time costs and must not be "
-                        "timed")
+        raise Incorrect(_("each function was called {rounds} times, not rounds + 1 = {expected}: likely mistake: "
+                          "the warm-up call is missing; the first call of each pays one-time costs and must not be "
+                          "timed").format(rounds=rounds, expected=rounds + 1))
     if (n_b, n_c) != (rounds + 1, rounds + 1):
-        raise Incorrect(f"baseline was called {n_b} times and candidate {n_c}; expected rounds + 1 = {rounds + 1} "
-                        "each (one warm-up, then one per round)")
+        raise Incorrect(_("baseline was called {n_b} times and candidate {n_c}; expected rounds + 1 = {expected} "
+                          "each (one warm-up, then one per round)").format(n_b=n_b, n_c=n_c, expected=rounds + 1))
     true = machine.true_speedup
     if abs(value / true - 1) < 0.06:
-        return (f"{value:.2f}x (the true speed-up is {true:.2f}x): alternating keeps both under the same load, "
-                "and the median of the rounds ignores the slow call")
+        return _("{value:.2f}x (the true speed-up is {true:.2f}x): alternating keeps both under the same load, "
+                 "and the median of the rounds ignores the slow call").format(value=value, true=true)
     if abs(value * true - 1) < 0.2:
-        raise Incorrect(f"speedup returned {value:.2f}, below 1: likely mistake: the ratio is inverted; the "
-                        "speed-up is baseline's time / candidate's time")
+        raise Incorrect(_("speedup returned {value:.2f}, below 1: likely mistake: the ratio is inverted; the "
+                          "speed-up is baseline's time / candidate's time").format(value=value))
     timed = machine.calls[2:] if machine.calls[:2] in (["b", "c"], ["c", "b"]) else machine.calls
     if timed in (["b"] * rounds + ["c"] * rounds, ["c"] * rounds + ["b"] * rounds):
-        raise Incorrect(f"speedup returned {value:.2f}x, the true speed-up is {true:.2f}x: likely mistake: all "
-                        "calls of one function, then all of the other; the load changed in between, so they were "
-                        "measured on different machines. Alternate: one call of each per round")
-    raise Incorrect(f"speedup returned {value:.2f}x; the true speed-up is {true:.2f}x: likely mistake: one slow "
-                    "call (a page fault) dragged a sum or a mean, or each function's times were summarised "
-                    "separately although the load differed between them. Take the ratio within each round "
-                    "(the two calls ran under the same load) and return the median of those ratios")
+        raise Incorrect(_("speedup returned {value:.2f}x, the true speed-up is {true:.2f}x: likely mistake: all "
+                          "calls of one function, then all of the other; the load changed in between, so they were "
+                          "measured on different machines. Alternate: one call of each per round").format(
+            value=value, true=true))
+    raise Incorrect(_("speedup returned {value:.2f}x; the true speed-up is {true:.2f}x: likely mistake: one slow "
+                      "call (a page fault) dragged a sum or a mean, or each function's times were summarised "
+                      "separately although the load differed between them. Take the ratio within each round "
+                      "(the two calls ran under the same load) and return the median of those ratios").format(
+        value=value, true=true))
 
 
 _SPEEDUP_DOC = ("def speedup(baseline, candidate, clock, rounds=5):\n"
@@ -358,7 +370,7 @@ def _timed(fn: str) -> str:
 
 
 register(Exercise(
-    id="04.3", title="A fair speed-up under changing load", answer="speedup",
+    id="04.3", title=N_("A fair speed-up under changing load"), answer="speedup",
     blank=_SPEEDUP_DOC + "    raise NotImplementedError  # your code here\n",
     solution=_SPEEDUP_HEAD + (
         "    ratios = []\n"
@@ -368,10 +380,10 @@ register(Exercise(
         "    return statistics.median(ratios)\n"),
     setup="import statistics\nimport time\n",
     checker=_check_speedup,
-    hints=["Time each call with two readings of clock(). Alternate: baseline, candidate, baseline, candidate, ... "
-           "so that whatever else the machine is doing weighs on both alike.",
-           "Within a round the two calls ran under the same load: their ratio is fair. Across rounds the load "
-           "moves and one call may be slow: take the median of the rounds' ratios."],
+    hints=[N_("Time each call with two readings of clock(). Alternate: baseline, candidate, baseline, candidate, "
+              "... so that whatever else the machine is doing weighs on both alike."),
+           N_("Within a round the two calls ran under the same load: their ratio is fair. Across rounds the load "
+              "moves and one call may be slow: take the median of the rounds' ratios.")],
     mistakes=[
         Mistake(_SPEEDUP_HEAD + (
             "    t_b, t_c = [], []\n"
@@ -412,13 +424,13 @@ def _toy_step(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 
 
 def _loop_item(w, x, steps):
-    for _ in range(steps):
+    for _step in range(steps):
         _toy_step(w, x).item()
 
 
 def _loop_float_and_if(w, x, steps):
     running = 0.0
-    for _ in range(steps):
+    for _step in range(steps):
         loss = _toy_step(w, x)
         running += float(loss)
         if loss > 1e6:  # an `if` on a tensor: bool(), a read
@@ -427,7 +439,7 @@ def _loop_float_and_if(w, x, steps):
 
 def _loop_once(w, x, steps):
     total = torch.zeros(())
-    for _ in range(steps):
+    for _step in range(steps):
         total += _toy_step(w, x)
     (total / steps).item()
 
@@ -440,17 +452,17 @@ def _loop_format(w, x, steps):
 
 
 def _loop_none(w, x, steps):
-    for _ in range(steps):
+    for _step in range(steps):
         _toy_step(w, x)
 
 
 # (what the loop does, reads per step, the loop, steps profiled)
 _PROFILED = [
-    ("loss.item() every step", 1.0, _loop_item, 5),
-    ("float(loss) and an `if loss > ...` every step", 2.0, _loop_float_and_if, 4),
-    ("one .item() after all the steps", 0.25, _loop_once, 4),
-    ("an f-string of the loss and int() of a tensor every step", 2.0, _loop_format, 3),
-    ("no read at all", 0.0, _loop_none, 3),
+    (N_("loss.item() every step"), 1.0, _loop_item, 5),
+    (N_("float(loss) and an `if loss > ...` every step"), 2.0, _loop_float_and_if, 4),
+    (N_("one .item() after all the steps"), 0.25, _loop_once, 4),
+    (N_("an f-string of the loss and int() of a tensor every step"), 2.0, _loop_format, 3),
+    (N_("no read at all"), 0.0, _loop_none, 3),
 ]
 
 
@@ -469,21 +481,23 @@ def _near(a: float, b: float) -> bool:
 
 def _check_syncs_per_step(syncs_per_step):
     if isinstance(syncs_per_step, type) or not callable(syncs_per_step):
-        raise Incorrect(f"syncs_per_step should be a function, got {describe(syncs_per_step)}")
+        raise Incorrect(_("syncs_per_step should be a function, got {value}").format(value=describe(syncs_per_step)))
     runs = []  # (label, expected, got, steps, prof)
     for label, expected, loop, steps in _PROFILED:
         prof = _profile(loop, steps)
         got = call(syncs_per_step, prof, steps, name="syncs_per_step", check_mutation=False)
-        runs.append((label, expected, _as_number(got, "syncs_per_step", "a number of reads per step"), steps, prof))
+        runs.append((label, expected, _as_number(got, "syncs_per_step", _("a number of reads per step")), steps,
+                     prof))
     wrong = [r for r in runs if not _near(r[2], r[1])]
     if not wrong:
-        return "every loop's reads per step, counted once each, from the profile's calls"
+        return _("every loop's reads per step, counted once each, from the profile's calls")
     if all(_near(got, expected * steps) for _, expected, got, steps, _ in runs):
-        raise Incorrect("you returned the reads of the whole profile (e.g. 5 for .item() in each of 5 steps): "
-                        "likely mistake: not divided by steps. The question is per step: divide by `steps`")
+        raise Incorrect(_("you returned the reads of the whole profile (e.g. 5 for .item() in each of 5 steps): "
+                          "likely mistake: not divided by steps. The question is per step: divide by `steps`"))
     if all(_near(got, 2 * expected) for _, expected, got, _, _ in runs):
-        raise Incorrect(f"twice the right number for every loop: likely mistake: each read counted twice. "
-                        f"{_ITEM_OP} calls {_READ_OP} and the profile records both, nested: count one of them")
+        raise Incorrect(_("twice the right number for every loop: likely mistake: each read counted twice. "
+                          "{item_op} calls {read_op} and the profile records both, nested: count one of them").format(
+            item_op=_ITEM_OP, read_op=_READ_OP))
     for label, expected, got, steps, prof in runs:
         if expected <= 0:
             continue
@@ -494,19 +508,21 @@ def _check_syncs_per_step(syncs_per_step):
                     value = float(getattr(event, attr))
                     times += [value, value / steps]
         if any(_near(got, t) for t in times) and not _near(got, expected):
-            raise Incorrect(f"for {label} you returned {got:g}, which is a time in microseconds, not a count: "
-                            "likely mistake: a time column (cpu_time_total, ...) instead of the number of calls. "
-                            "Read the event's count")
+            raise Incorrect(_("for {label} you returned {got:g}, which is a time in microseconds, not a count: "
+                              "likely mistake: a time column (cpu_time_total, ...) instead of the number of calls. "
+                              "Read the event's count").format(label=_(label), got=got))
     fractional = [r for r in runs if r[1] != int(r[1])]
     if fractional and all(_near(got, math.floor(expected)) for _, expected, got, _, _ in fractional) and all(
             _near(got, expected) for _, expected, got, _, _ in runs if expected == int(expected)):
-        label, expected, got, steps, _ = fractional[0]
-        raise Incorrect(f"for {label} ({steps} steps) you returned {got:g}, not {expected:g}: likely mistake: "
-                        "rounded down (// or int()); one read every 4 steps is 0.25 per step: use /")
-    label, expected, got, steps, _ = wrong[0]
-    raise Incorrect(f"for a loop with {label}, profiled for {steps} steps, there are {expected:g} reads per step; "
-                    f"syncs_per_step returned {got:g}. Every read of a tensor's value (.item(), float(), int(), "
-                    "bool(), formatting) shows up as one call of the same operator: find it in the table")
+        label, expected, got, steps, _prof = fractional[0]
+        raise Incorrect(_("for {label} ({steps} steps) you returned {got:g}, not {expected:g}: likely mistake: "
+                          "rounded down (// or int()); one read every 4 steps is 0.25 per step: use /").format(
+            label=_(label), steps=steps, got=got, expected=expected))
+    label, expected, got, steps, _prof = wrong[0]
+    raise Incorrect(_("for a loop with {label}, profiled for {steps} steps, there are {expected:g} reads per step; "
+                      "syncs_per_step returned {got:g}. Every read of a tensor's value (.item(), float(), int(), "
+                      "bool(), formatting) shows up as one call of the same operator: find it in the table").format(
+        label=_(label), steps=steps, expected=expected, got=got))
 
 
 _SYNCS_DOC = ("def syncs_per_step(prof, steps):\n"
@@ -515,18 +531,18 @@ _SYNCS_DOC = ("def syncs_per_step(prof, steps):\n"
               "    profile `prof` of `steps` steps.\"\"\"\n")
 
 register(Exercise(
-    id="04.4", title="Host reads per step, from a profile", answer="syncs_per_step",
+    id="04.4", title=N_("Host reads per step, from a profile"), answer="syncs_per_step",
     blank=_SYNCS_DOC + "    raise NotImplementedError  # your code here\n",
     solution=_SYNCS_DOC + (
         "    reads = sum(e.count for e in prof.key_averages() if e.key == \"aten::_local_scalar_dense\")\n"
         "    return reads / steps\n"),
     checker=_check_syncs_per_step,
     timeout=30.0,
-    hints=["prof.key_averages() has one row per operator name (`.key`), with `.count`, the number of calls. "
-           "Which operator does every read go through? The table of the naive loop and the cell before this "
-           "exercise show it.",
-           "aten::item calls aten::_local_scalar_dense: a read appears under both names. Count the calls of "
-           "one of them and divide by steps (with /: a read every 4 steps is 0.25)."],
+    hints=[N_("prof.key_averages() has one row per operator name (`.key`), with `.count`, the number of calls. "
+              "Which operator does every read go through? The table of the naive loop and the cell before this "
+              "exercise show it."),
+           N_("aten::item calls aten::_local_scalar_dense: a read appears under both names. Count the calls of "
+              "one of them and divide by steps (with /: a read every 4 steps is 0.25).")],
     mistakes=[
         Mistake(_SYNCS_DOC + "    return sum(e.count for e in prof.key_averages() "
                              "if e.key == \"aten::_local_scalar_dense\")\n", "not divided by steps"),

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..i18n import N_, _
 from ..memory import SimulatedGPU, format_bytes
 from .core import Exercise, Incorrect, Mistake, call, describe, register
 
@@ -35,7 +36,8 @@ def _seeded(seed: int = 0) -> Iterator[None]:
 
 def _require_function(answer: Any, name: str) -> Callable:
     if isinstance(answer, type) or not callable(answer):
-        raise Incorrect(f"{name} should be a function (written with `def {name}(...)`), got {describe(answer)}")
+        raise Incorrect(_("{name} should be a function (written with `def {name}(...)`), got {value}").format(
+            name=name, value=describe(answer)))
     return answer
 
 
@@ -43,7 +45,7 @@ def _mlp(width: int = 64, depth: int = 3, inputs: int = 32, seed: int = 0) -> nn
     """A small ReLU MLP (inputs -> width x depth -> 10) without BatchNorm: micro-batches give the same update."""
     with _seeded(seed):
         layers: list[nn.Module] = [nn.Linear(inputs, width), nn.ReLU()]
-        for _ in range(depth - 1):
+        for _layer in range(depth - 1):
             layers += [nn.Linear(width, width), nn.ReLU()]
         layers.append(nn.Linear(width, 10))
         return nn.Sequential(*layers)
@@ -88,9 +90,9 @@ class _TinyCNN(nn.Module):
 
 
 def _state_cases() -> list[tuple[str, Callable[[], nn.Module], tuple[int, ...]]]:
-    return [("a 3-layer MLP", lambda: _mlp(width=48), (32,)),
-            ("a small CNN", lambda: _TinyCNN(), (1, 28, 28)),
-            ("the same CNN with its convolutions frozen (requires_grad=False)", lambda: _TinyCNN(frozen=True),
+    return [(N_("a 3-layer MLP"), lambda: _mlp(width=48), (32,)),
+            (N_("a small CNN"), lambda: _TinyCNN(), (1, 28, 28)),
+            (N_("the same CNN with its convolutions frozen (requires_grad=False)"), lambda: _TinyCNN(frozen=True),
              (1, 28, 28))]
 
 
@@ -102,7 +104,7 @@ def _measured_state_bytes(case: int, opt_name: str) -> int:
     SimulatedGPU (block_bytes=1: no allocator rounding). Cached: the same for every check."""
     key = (case, opt_name)
     if key not in _MEASURED:
-        _, make, shape = _state_cases()[case]
+        _label, make, shape = _state_cases()[case]
         with _seeded(5):
             model = make()
             opt = _OPTIMIZERS[opt_name](model.parameters())
@@ -117,38 +119,41 @@ def _measured_state_bytes(case: int, opt_name: str) -> int:
 
 def _check_training_state_bytes(training_state_bytes):
     _require_function(training_state_bytes, "training_state_bytes")
-    for case, (label, make, _) in enumerate(_state_cases()):
+    for case, (label, make, _shape) in enumerate(_state_cases()):
         for opt_name in _OPTIMIZERS:
             with _seeded(5):
                 model = make()
             got = call(training_state_bytes, model, opt_name, name="training_state_bytes")
             if isinstance(got, torch.Tensor) or isinstance(got, bool) or not isinstance(got, (int, float)) \
                     or not math.isfinite(got):
-                raise Incorrect(f"training_state_bytes should return a number of bytes (an int), got {describe(got)}")
+                raise Incorrect(_("training_state_bytes should return a number of bytes (an int), got {value}").format(
+                    value=describe(got)))
             expected = _measured_state_bytes(case, opt_name)
-            n_tensors = sum(1 for _ in model.parameters())
+            n_tensors = len(list(model.parameters()))
             if abs(got - expected) <= 8 * n_tensors + 1e-3 * expected:  # Adam's 4-byte step counters
                 continue
             every = sum(p.numel() * p.element_size() for p in model.parameters())
             trainable = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
-            shown = (f"for {label} with {opt_name!r}: got {got:,.0f} bytes, but a real training step holds "
-                     f"{expected:,} bytes ({format_bytes(expected)}) of parameters, gradients and optimizer state")
+            shown = _("for {label} with {optimizer!r}: got {got:,.0f} bytes, but a real training step holds "
+                      "{expected:,} bytes ({size}) of parameters, gradients and optimizer state").format(
+                label=_(label), optimizer=opt_name, got=got, expected=expected, size=format_bytes(expected))
             close = lambda v: abs(got - v) <= 8 * n_tensors + 1e-3 * expected  # noqa: E731
             if opt_name == "adam" and close(every + 2 * trainable):
-                raise Incorrect(f"{shown}: likely mistake: Adam keeps two buffers per parameter (exp_avg and "
-                                "exp_avg_sq), on top of the gradient")
+                raise Incorrect(_("{shown}: likely mistake: Adam keeps two buffers per parameter (exp_avg and "
+                                  "exp_avg_sq), on top of the gradient").format(shown=shown))
             if close(3 * every):
-                raise Incorrect(f"{shown}: likely mistake: the same x3 for every optimizer (the blog claim); it "
-                                "depends on the optimizer: plain SGD keeps no state (parameters + gradients), "
-                                "momentum one buffer per parameter, Adam two")
+                raise Incorrect(_("{shown}: likely mistake: the same x3 for every optimizer (the blog claim); it "
+                                  "depends on the optimizer: plain SGD keeps no state (parameters + gradients), "
+                                  "momentum one buffer per parameter, Adam two").format(shown=shown))
             if trainable < every and any(close(every * k) for k in (2, 3, 4)):
-                raise Incorrect(f"{shown}: likely mistake: frozen parameters (requires_grad=False) were counted "
-                                "as trained: they get no gradient and no optimizer state, only their own bytes")
+                raise Incorrect(_("{shown}: likely mistake: frozen parameters (requires_grad=False) were counted "
+                                  "as trained: they get no gradient and no optimizer state, only their own "
+                                  "bytes").format(shown=shown))
             if any(close(v * 8) for v in (expected, every * 2, every * 3, every * 4)):
-                raise Incorrect(f"{shown}: likely mistake: counted bits, not bytes; element_size() is already in "
-                                "bytes (4 for float32)")
+                raise Incorrect(_("{shown}: likely mistake: counted bits, not bytes; element_size() is already in "
+                                  "bytes (4 for float32)").format(shown=shown))
             raise Incorrect(shown)
-    return "SGD 2x, momentum 3x, Adam 4x the parameters' bytes, and frozen parameters only 1x"
+    return _("SGD 2x, momentum 3x, Adam 4x the parameters' bytes, and frozen parameters only 1x")
 
 
 _STATE_SIG = ("def training_state_bytes(model, optimizer_name):\n"
@@ -156,7 +161,7 @@ _STATE_SIG = ("def training_state_bytes(model, optimizer_name):\n"
               "    \"sgd\", \"momentum\" or \"adam\" (activations not included).\"\"\"\n")
 
 register(Exercise(
-    id="05.1", title="Predict the memory of parameters, gradients and optimizer state",
+    id="05.1", title=N_("Predict the memory of parameters, gradients and optimizer state"),
     answer="training_state_bytes",
     blank=_STATE_SIG + "    raise NotImplementedError  # your code here\n",
     solution=(_STATE_SIG
@@ -166,10 +171,10 @@ register(Exercise(
                 "    return every + trainable * (1 + buffers)  # + one gradient per trained parameter\n"),
     setup="import torch\n",
     checker=_check_training_state_bytes,
-    hints=["p.numel() * p.element_size() is a tensor's size in bytes. Every parameter is stored once; each "
-           "trained parameter (p.requires_grad) also gets a gradient of the same size.",
-           "Optimizer state per trained parameter: plain SGD none, SGD with momentum one buffer, Adam two "
-           "(exp_avg and exp_avg_sq). Frozen parameters get neither gradient nor state."],
+    hints=[N_("p.numel() * p.element_size() is a tensor's size in bytes. Every parameter is stored once; each "
+              "trained parameter (p.requires_grad) also gets a gradient of the same size."),
+           N_("Optimizer state per trained parameter: plain SGD none, SGD with momentum one buffer, Adam two "
+              "(exp_avg and exp_avg_sq). Frozen parameters get neither gradient nor state.")],
     mistakes=[
         Mistake(_STATE_SIG + "    return 3 * sum(p.numel() * p.element_size() for p in model.parameters())\n",
                 "the same x3 for every optimizer"),
@@ -212,34 +217,38 @@ def _check_diagnose(diagnose):
     for oom, expected in _oom_cases():
         got = call(diagnose, dict(oom), name="diagnose", check_mutation=False)
         if not isinstance(got, str):
-            raise Incorrect(f"diagnose should return one of {_DIAGNOSES}, got {describe(got)}")
+            raise Incorrect(_("diagnose should return one of {choices}, got {value}").format(
+                choices=_DIAGNOSES, value=describe(got)))
         if got not in _DIAGNOSES:
-            raise Incorrect(f"diagnose returned {got!r}; it should return one of {_DIAGNOSES}")
+            raise Incorrect(_("diagnose returned {got!r}; it should return one of {choices}").format(
+                got=got, choices=_DIAGNOSES))
         if got == expected:
             continue
-        shown = ("for an OOM with " + ", ".join(f"{k} {format_bytes(v)}" for k, v in oom.items())
-                 + f": diagnose returned {got!r}, expected {expected!r}")
+        shown = _("for an OOM with {numbers}: diagnose returned {got!r}, expected {expected!r}").format(
+            numbers=", ".join(f"{k} {format_bytes(v)}" for k, v in oom.items()), got=got, expected=expected)
         others = oom["capacity"] - oom["free"] - oom["process"]
         if expected == "fragmentation":
-            raise Incorrect(f"{shown}: likely mistake: the 'reserved but unallocated' memory was ignored; PyTorch "
-                            f"holds {format_bytes(oom['reserved_unallocated'])} of free cached memory, more than the "
-                            "request, yet could not use it: no single free block is big enough")
+            raise Incorrect(_("{shown}: likely mistake: the 'reserved but unallocated' memory was ignored; PyTorch "
+                              "holds {cached} of free cached memory, more than the request, yet could not use it: "
+                              "no single free block is big enough").format(
+                shown=shown, cached=format_bytes(oom['reserved_unallocated'])))
         if expected == "too big" and got == "other processes":
-            raise Incorrect(f"{shown}: likely mistake: this process's own memory was counted as other "
-                            f"processes'; capacity - free includes what this process holds ({format_bytes(others)} "
-                            "is all the other processes have)")
+            raise Incorrect(_("{shown}: likely mistake: this process's own memory was counted as other "
+                              "processes'; capacity - free includes what this process holds ({others} "
+                              "is all the other processes have)").format(shown=shown, others=format_bytes(others)))
         if expected == "other processes":
-            raise Incorrect(f"{shown}: other processes hold capacity - free - process = {format_bytes(others)}, "
-                            "more than the request: freeing them (another notebook's kernel?) would let it fit")
+            raise Incorrect(_("{shown}: other processes hold capacity - free - process = {others}, "
+                              "more than the request: freeing them (another notebook's kernel?) would let it "
+                              "fit").format(shown=shown, others=format_bytes(others)))
         raise Incorrect(shown)
-    return "fragmentation -> expandable_segments; other processes -> free the GPU; too big -> a smaller step"
+    return _("fragmentation -> expandable_segments; other processes -> free the GPU; too big -> a smaller step")
 
 
 _DIAG_SIG = ("def diagnose(oom):\n"
              "    \"\"\"\"fragmentation\", \"other processes\" or \"too big\" for the numbers (bytes) of a CUDA OOM message.\"\"\"\n")
 
 register(Exercise(
-    id="05.2", title="Read an out-of-memory message", answer="diagnose",
+    id="05.2", title=N_("Read an out-of-memory message"), answer="diagnose",
     blank=_DIAG_SIG + "    raise NotImplementedError  # your code here\n",
     solution=(_DIAG_SIG
               + "    if oom[\"reserved_unallocated\"] >= oom[\"requested\"]:\n"
@@ -250,10 +259,10 @@ register(Exercise(
                 "    return \"too big\"\n"),
     setup="",
     checker=_check_diagnose,
-    hints=["Check in the order given: first compare the request with the memory PyTorch has reserved but not "
-           "allocated, then with the memory other processes hold.",
-           "Other processes hold capacity - free - process: the GPU's memory that is neither free nor this "
-           "process's."],
+    hints=[N_("Check in the order given: first compare the request with the memory PyTorch has reserved but not "
+              "allocated, then with the memory other processes hold."),
+           N_("Other processes hold capacity - free - process: the GPU's memory that is neither free nor this "
+              "process's.")],
     mistakes=[
         Mistake(_DIAG_SIG + "    others = oom[\"capacity\"] - oom[\"free\"] - oom[\"process\"]\n"
                 "    return \"other processes\" if others >= oom[\"requested\"] else \"too big\"\n",
@@ -325,13 +334,13 @@ def _budget_between(fits: int, fails: int) -> int:
 
 def _check_survive(survive):
     _require_function(survive, "survive")
-    _, _, x, y = _survive_setup()
-    oracle, oracle_opt, _, _ = _survive_setup()
+    *_unused, x, y = _survive_setup()
+    oracle, oracle_opt, *_unused = _survive_setup()
     train_in_parts(oracle, oracle_opt, x, y, 1)  # the full-batch update, no memory limit
-    for label, budget in (("with memory to spare", 2 ** 30),
-                          ("where the full batch does not fit but halves do", _budget_between(2, 1)),
-                          ("where only quarters of the batch fit", _budget_between(4, 2))):
-        model, opt, _, _ = _survive_setup()
+    for label, budget in ((N_("with memory to spare"), 2 ** 30),
+                          (N_("where the full batch does not fit but halves do"), _budget_between(2, 1)),
+                          (N_("where only quarters of the batch fit"), _budget_between(4, 2))):
+        model, opt, *_unused = _survive_setup()
         start = [p.detach().clone() for p in model.parameters()]
         gpu = SimulatedGPU(budget, model=model, optimizer=opt)
         failure = None
@@ -341,26 +350,27 @@ def _check_survive(survive):
                 call(survive, model, opt, x, y, name="survive", check_mutation=False)
             except Incorrect as exc:
                 failure = str(exc)
-        where = f"on a simulated GPU {label} ({format_bytes(budget)})"
+        where = _("on a simulated GPU {condition} ({budget})").format(condition=_(label), budget=format_bytes(budget))
         if failure is not None:
             if "OutOfMemoryError" not in failure:
                 raise Incorrect(failure)
             if gpu.oom_count <= 1:
-                raise Incorrect(f"{where}: the out-of-memory error came out of survive: catch "
-                                "torch.OutOfMemoryError and retry the step in smaller parts")
+                raise Incorrect(_("{where}: the out-of-memory error came out of survive: catch "
+                                  "torch.OutOfMemoryError and retry the step in smaller parts").format(where=where))
             if "halves" in label:
-                raise Incorrect(f"{where}: the retry ran out of memory too: likely mistake: the retry runs inside "
-                                "the except block, where the exception's traceback still holds the failed "
-                                "attempt's tensors; leave the except block first, then retry")
-            raise Incorrect(f"{where}: survive still ran out of memory ({gpu.oom_count} errors): keep halving the "
-                            "parts (2, 4, 8, ...) until the step fits, each retry after the except block")
+                raise Incorrect(_("{where}: the retry ran out of memory too: likely mistake: the retry runs inside "
+                                  "the except block, where the exception's traceback still holds the failed "
+                                  "attempt's tensors; leave the except block first, then retry").format(where=where))
+            raise Incorrect(_("{where}: survive still ran out of memory ({count} errors): keep halving the "
+                              "parts (2, 4, 8, ...) until the step fits, each retry after the except block").format(
+                where=where, count=gpu.oom_count))
         if all(torch.equal(p, s) for p, s in zip(model.parameters(), start)):
-            raise Incorrect(f"{where}: the parameters did not change: the batch was skipped; retry it in smaller "
-                            "parts so that no data is lost")
+            raise Incorrect(_("{where}: the parameters did not change: the batch was skipped; retry it in smaller "
+                              "parts so that no data is lost").format(where=where))
         if not _same_parameters(model, oracle):
-            raise Incorrect(f"{where}: the update differs from the full batch's; use train_in_parts, which "
-                            "weights each part by its share of the batch")
-    return "the same update as the full batch, however little memory there is"
+            raise Incorrect(_("{where}: the update differs from the full batch's; use train_in_parts, which "
+                              "weights each part by its share of the batch").format(where=where))
+    return _("the same update as the full batch, however little memory there is")
 
 
 _SURVIVE_SIG = ("def survive(model, optimizer, x, y):\n"
@@ -368,7 +378,7 @@ _SURVIVE_SIG = ("def survive(model, optimizer, x, y):\n"
                 "    parts with train_in_parts.\"\"\"\n")
 
 register(Exercise(
-    id="05.3", title="Make the step survive the OOM", answer="survive",
+    id="05.3", title=N_("Make the step survive the OOM"), answer="survive",
     blank=_SURVIVE_SIG + "    raise NotImplementedError  # your code here\n",
     solution=(_SURVIVE_SIG
               + "    parts = 1\n"
@@ -383,9 +393,9 @@ register(Exercise(
                 "        parts *= 2\n"),
     setup="import torch\nimport torch.nn.functional as F\n\n" + _IN_PARTS_SOURCE,
     checker=_check_survive,
-    hints=["A `while True:` loop around try/except: the next iteration starts after the except block has "
-           "ended, so the failed attempt's tensors are already freed.",
-           "In the except block only decide (or re-raise when parts cannot grow); double `parts` and loop."],
+    hints=[N_("A `while True:` loop around try/except: the next iteration starts after the except block has "
+              "ended, so the failed attempt's tensors are already freed."),
+           N_("In the except block only decide (or re-raise when parts cannot grow); double `parts` and loop.")],
     mistakes=[
         Mistake(_SURVIVE_SIG + "    try:\n        train_in_parts(model, optimizer, x, y, 1)\n"
                 "    except torch.OutOfMemoryError:\n        train_in_parts(model, optimizer, x, y, 2)\n",
@@ -430,7 +440,7 @@ def _check_clean_epoch(clean_epoch):
     _require_function(clean_epoch, "clean_epoch")
     budget = _leak_budget()
     model, opt, batches = _leak_setup()
-    oracle, oracle_opt, _ = _leak_setup()
+    oracle, oracle_opt, _batches = _leak_setup()
     oracle_losses = []
     for x, y in batches:
         if len(x) == 16:
@@ -445,46 +455,50 @@ def _check_clean_epoch(clean_epoch):
         result = call(clean_epoch, model, opt, list(batches), name="clean_epoch", check_mutation=False)
         after = gpu.memory_allocated()
         if not (isinstance(result, tuple) and len(result) == 2 and all(isinstance(r, list) for r in result)):
-            raise Incorrect(f"clean_epoch should return a pair of lists (losses, errors), got {describe(result)}")
+            raise Incorrect(_("clean_epoch should return a pair of lists (losses, errors), got {value}").format(
+                value=describe(result)))
         losses, errors = result
         if any(isinstance(e, BaseException) for e in errors):
-            raise Incorrect(f"memory after the epoch is {format_bytes(after - before)} above where it started: "
-                            "likely mistake: the exception object was kept; its __traceback__ holds the failed "
-                            "step's frames and, through them, every tensor the step had made; keep a message "
-                            "(str) instead")
+            raise Incorrect(_("memory after the epoch is {extra} above where it started: "
+                              "likely mistake: the exception object was kept; its __traceback__ holds the failed "
+                              "step's frames and, through them, every tensor the step had made; keep a message "
+                              "(str) instead").format(extra=format_bytes(after - before)))
         if not all(isinstance(e, str) for e in errors):
-            raise Incorrect(f"errors should hold one message (a str) per batch that ran out of memory, got "
-                            f"{[describe(e) for e in errors]}")
+            raise Incorrect(_("errors should hold one message (a str) per batch that ran out of memory, got "
+                              "{values}").format(values=[describe(e) for e in errors]))
         if any(isinstance(v, (int, float)) and not isinstance(v, bool) for v in losses):
-            raise Incorrect("the losses are Python numbers: likely mistake: a per-step .item() (or float()), "
-                            "which makes the CPU wait for the GPU at every step; keep loss.detach() (a tensor on "
-                            "the device) and convert once, after the epoch")
+            raise Incorrect(_("the losses are Python numbers: likely mistake: a per-step .item() (or float()), "
+                              "which makes the CPU wait for the GPU at every step; keep loss.detach() (a tensor on "
+                              "the device) and convert once, after the epoch"))
         if not all(isinstance(v, torch.Tensor) and v.dim() == 0 for v in losses):
-            raise Incorrect(f"losses should hold one 0-d loss tensor per batch that trained, got "
-                            f"{[describe(v) for v in losses][:4]}")
+            raise Incorrect(_("losses should hold one 0-d loss tensor per batch that trained, got "
+                              "{values}").format(values=[describe(v) for v in losses][:4]))
         if any(v.grad_fn is not None or v.requires_grad for v in losses):
-            raise Incorrect("the losses still carry their autograd graph (grad_fn): likely mistake: the loss was "
-                            "kept without .detach(); a loss kept this way before backward, or in evaluation "
-                            "without no_grad, keeps every activation alive; append loss.detach()")
+            raise Incorrect(_("the losses still carry their autograd graph (grad_fn): likely mistake: the loss was "
+                              "kept without .detach(); a loss kept this way before backward, or in evaluation "
+                              "without no_grad, keeps every activation alive; append loss.detach()"))
         if len(errors) != 1 or len(losses) != 2:
-            raise Incorrect(f"of the batches of {list(_LEAK_SIZES)} samples only the one of 128 runs out of memory "
-                            f"here: expected 2 losses and 1 error, got {len(losses)} and {len(errors)}")
+            raise Incorrect(_("of the batches of {sizes} samples only the one of 128 runs out of memory "
+                              "here: expected 2 losses and 1 error, got {losses} and {errors}").format(
+                sizes=list(_LEAK_SIZES), losses=len(losses), errors=len(errors)))
         if not all(e.strip() for e in errors):
-            raise Incorrect("an error message is empty: keep the exception's text, e.g. str(e)")
+            raise Incorrect(_("an error message is empty: keep the exception's text, e.g. str(e)"))
         grads = sum(p.grad.untyped_storage().nbytes() for p in model.parameters() if p.grad is not None)
         allowance = grads + 2048 * (len(losses) + 1) + 64 * 1024
         if after - before > allowance:
-            raise Incorrect(f"after the epoch {format_bytes(after - before)} more memory is in use than before "
-                            f"(gradients and the kept losses need only {format_bytes(grads + 512 * len(losses))}): "
-                            "something still refers to a step's tensors")
+            raise Incorrect(_("after the epoch {extra} more memory is in use than before "
+                              "(gradients and the kept losses need only {needed}): "
+                              "something still refers to a step's tensors").format(
+                extra=format_bytes(after - before), needed=format_bytes(grads + 512 * len(losses))))
     for got, want in zip(losses, oracle_losses):
         if not torch.allclose(got, want, rtol=1e-5, atol=1e-6):
-            raise Incorrect(f"the losses {[round(float(v), 4) for v in losses]} differ from a plain training step's "
-                            f"{[round(float(v), 4) for v in oracle_losses]}")
+            raise Incorrect(_("the losses {got} differ from a plain training step's {expected}").format(
+                got=[round(float(v), 4) for v in losses], expected=[round(float(v), 4) for v in oracle_losses]))
     if not _same_parameters(model, oracle):
-        raise Incorrect("the parameters differ from two plain training steps on the batches that fit: zero the "
-                        "gradients before each step, then forward, backward and optimizer.step()")
-    return f"memory after recovery is back to the model, its gradients and {len(losses)} small loss tensors"
+        raise Incorrect(_("the parameters differ from two plain training steps on the batches that fit: zero the "
+                          "gradients before each step, then forward, backward and optimizer.step()"))
+    return _("memory after recovery is back to the model, its gradients and {count} small loss tensors").format(
+        count=len(losses))
 
 
 _LEAK_SIG = ("def clean_epoch(model, optimizer, batches):\n"
@@ -493,7 +507,7 @@ _LEAK_SIG = ("def clean_epoch(model, optimizer, batches):\n"
              "    did not.\"\"\"\n")
 
 register(Exercise(
-    id="05.4", title="Find the leak that keeps memory high after recovery", answer="clean_epoch",
+    id="05.4", title=N_("Find the leak that keeps memory high after recovery"), answer="clean_epoch",
     blank=_LEAK_SIG + "    raise NotImplementedError  # your code here\n",
     solution=(_LEAK_SIG
               + "    losses, errors = [], []\n"
@@ -510,10 +524,10 @@ register(Exercise(
                 "    return losses, errors\n"),
     setup="import torch\nimport torch.nn.functional as F\n",
     checker=_check_clean_epoch,
-    hints=["Start from leaky_epoch above. Two things it keeps outlive the step: find what refers to the "
-           "failed step's tensors after the except block has ended.",
-           "An exception object keeps its __traceback__, and the traceback keeps every frame of the failed "
-           "step with its local tensors: store str(e). Append loss.detach(), not loss."],
+    hints=[N_("Start from leaky_epoch above. Two things it keeps outlive the step: find what refers to the "
+              "failed step's tensors after the except block has ended."),
+           N_("An exception object keeps its __traceback__, and the traceback keeps every frame of the failed "
+              "step with its local tensors: store str(e). Append loss.detach(), not loss.")],
     mistakes=[
         Mistake(_LEAK_SIG + "    losses, errors = [], []\n    for x, y in batches:\n"
                 "        optimizer.zero_grad(set_to_none=True)\n        try:\n"
@@ -542,7 +556,8 @@ register(Exercise(
 def _affine(fixed: int, per_sample: int) -> Callable[[int], int]:
     def peak_at(batch_size: int) -> int:
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-            raise ValueError(f"peak_at takes a batch size >= 1 (an int), got {batch_size!r}")
+            raise ValueError(_("peak_at takes a batch size >= 1 (an int), got {batch_size!r}").format(
+                batch_size=batch_size))
         return fixed + per_sample * batch_size
     return peak_at
 
@@ -564,31 +579,36 @@ def _check_max_batch_size(max_batch_size):
         if isinstance(got, float) and got.is_integer():
             got = int(got)
         if isinstance(got, bool) or not isinstance(got, int):
-            raise Incorrect(f"max_batch_size should return a whole number of samples (an int), got {describe(got)}")
+            raise Incorrect(_("max_batch_size should return a whole number of samples (an int), got {value}").format(
+                value=describe(got)))
         if got == expected:
             continue
-        shown = (f"with {format_bytes(fixed)} fixed, {format_bytes(per)} per sample and a budget of "
-                 f"{format_bytes(budget)}: got {got}, expected {expected}")
+        shown = _("with {fixed} fixed, {per} per sample and a budget of {budget}: got {got}, expected "
+                  "{expected}").format(fixed=format_bytes(fixed), per=format_bytes(per), budget=format_bytes(budget),
+                                       got=got, expected=expected)
         if got < 0:
-            raise Incorrect(f"{shown}: likely mistake: a negative batch size; return 0 when even one sample "
-                            "does not fit")
+            raise Incorrect(_("{shown}: likely mistake: a negative batch size; return 0 when even one sample "
+                              "does not fit").format(shown=shown))
         if got == budget // per or got == math.ceil(budget / per):
-            raise Incorrect(f"{shown}: likely mistake: the fixed part (parameters, gradients, optimizer state) "
-                            "was ignored; only what is left of the budget after it is shared by the samples")
+            raise Incorrect(_("{shown}: likely mistake: the fixed part (parameters, gradients, optimizer state) "
+                              "was ignored; only what is left of the budget after it is shared by the "
+                              "samples").format(shown=shown))
         if got == budget // (fixed + per):
-            raise Incorrect(f"{shown}: likely mistake: peak_at(1) was used as the cost of one sample, which "
-                            "counts the fixed part once per sample; the cost per sample is peak_at(2) - peak_at(1)")
+            raise Incorrect(_("{shown}: likely mistake: peak_at(1) was used as the cost of one sample, which "
+                              "counts the fixed part once per sample; the cost per sample is peak_at(2) - "
+                              "peak_at(1)").format(shown=shown))
         if got == expected + 1:
-            raise Incorrect(f"{shown}: likely mistake: rounded up, so the last sample does not fit; round down")
+            raise Incorrect(_("{shown}: likely mistake: rounded up, so the last sample does not fit; round "
+                              "down").format(shown=shown))
         raise Incorrect(shown)
-    return "fixed part first, then what is left divided by the cost of one sample, rounded down"
+    return _("fixed part first, then what is left divided by the cost of one sample, rounded down")
 
 
 _MAX_SIG = ("def max_batch_size(peak_at, budget):\n"
             "    \"\"\"The largest batch size b with peak_at(b) <= budget (0 if none), where peak_at(b) = fixed + per_sample * b.\"\"\"\n")
 
 register(Exercise(
-    id="05.5", title="The largest batch that fits, predicted", answer="max_batch_size",
+    id="05.5", title=N_("The largest batch that fits, predicted"), answer="max_batch_size",
     blank=_MAX_SIG + "    raise NotImplementedError  # your code here\n",
     solution=(_MAX_SIG
               + "    per_sample = peak_at(2) - peak_at(1)\n"
@@ -596,8 +616,9 @@ register(Exercise(
                 "    return max(0, int((budget - fixed) // per_sample))  # round down: the last sample must fit\n"),
     setup="",
     checker=_check_max_batch_size,
-    hints=["Two evaluations give the line: per_sample = peak_at(2) - peak_at(1), and fixed = peak_at(1) - per_sample.",
-           "Solve fixed + per_sample * b <= budget for b, round down with //, and never return less than 0."],
+    hints=[N_("Two evaluations give the line: per_sample = peak_at(2) - peak_at(1), and fixed = peak_at(1) - "
+              "per_sample."),
+           N_("Solve fixed + per_sample * b <= budget for b, round down with //, and never return less than 0.")],
     mistakes=[
         Mistake(_MAX_SIG + "    return budget // (peak_at(2) - peak_at(1))\n", "fixed part"),
         Mistake(_MAX_SIG + "    return budget // peak_at(1)\n", "counts the fixed part once per sample"),
@@ -619,7 +640,7 @@ def _accumulation_setup() -> tuple[nn.Module, torch.optim.Optimizer, list[tuple[
 def _group_updates(batches, k: int, divide: Callable[[int], float], last: bool = True, each: bool = False):
     """Parameters after accumulation by a given rule: loss / divide(group size); the last group applied or not;
     `each`: a step after every micro-batch (no accumulation)."""
-    model, opt, _ = _accumulation_setup()
+    model, opt, _batches = _accumulation_setup()
     groups = [batches[i:i + k] for i in range(0, len(batches), k)]
     if not last and len(groups[-1]) < k:
         groups = groups[:-1]
@@ -642,9 +663,9 @@ def _check_accumulate(accumulate):
     start = [p.detach().clone() for p in model.parameters()]
     call(accumulate, model, opt, list(batches), k, name="accumulate", check_mutation=False)
     if all(torch.equal(p, s) for p, s in zip(model.parameters(), start)):
-        raise Incorrect("the parameters did not change: call optimizer.step() once per group")
+        raise Incorrect(_("the parameters did not change: call optimizer.step() once per group"))
     # the oracle: one step per group on the group's micro-batches concatenated
-    oracle, oracle_opt, _ = _accumulation_setup()
+    oracle, oracle_opt, _batches = _accumulation_setup()
     for i in range(0, len(batches), k):
         group = batches[i:i + k]
         oracle_opt.zero_grad(set_to_none=True)
@@ -652,24 +673,27 @@ def _check_accumulate(accumulate):
         F.cross_entropy(oracle(x), y).backward()
         oracle_opt.step()
     if _same_parameters(model, oracle):
-        return "every update equals the big batch's, the short last group included"
+        return _("every update equals the big batch's, the short last group included")
     sizes = [len(batches[i:i + k]) for i in range(0, len(batches), k)]
-    shown = f"with {len(batches)} micro-batches and k={k} (groups of {sizes})"
+    shown = _("with {count} micro-batches and k={k} (groups of {sizes})").format(count=len(batches), k=k, sizes=sizes)
     if _same_parameters(model, _group_updates(batches, k, lambda n: k, last=False)):
-        raise Incorrect(f"{shown}: likely mistake: the last group ({sizes[-1]} micro-batch) was never applied: "
-                        "with a step only when (i + 1) % k == 0, its gradients are computed and then lost; step "
-                        "after the last micro-batch too")
+        raise Incorrect(_("{shown}: likely mistake: the last group ({last} micro-batch) was never applied: "
+                          "with a step only when (i + 1) % k == 0, its gradients are computed and then lost; step "
+                          "after the last micro-batch too").format(shown=shown, last=sizes[-1]))
     if _same_parameters(model, _group_updates(batches, k, lambda n: k)):
-        raise Incorrect(f"{shown}: likely mistake: the shorter last group's loss was divided by k; divide each "
-                        "group's losses by the number of micro-batches in that group")
+        raise Incorrect(_("{shown}: likely mistake: the shorter last group's loss was divided by k; divide each "
+                          "group's losses by the number of micro-batches in that group").format(shown=shown))
     if _same_parameters(model, _group_updates(batches, k, lambda n: 1)):
-        raise Incorrect(f"{shown}: likely mistake: the losses were not divided; accumulated gradients add up, "
-                        "so a group of n micro-batches gives n times the mean gradient: divide each loss by n")
+        raise Incorrect(_("{shown}: likely mistake: the losses were not divided; accumulated gradients add up, "
+                          "so a group of n micro-batches gives n times the mean gradient: divide each loss by "
+                          "n").format(shown=shown))
     if _same_parameters(model, _group_updates(batches, k, lambda n: n, each=True)) or \
             _same_parameters(model, _group_updates(batches, k, lambda n: 1, each=True)):
-        raise Incorrect(f"{shown}: likely mistake: a step after every micro-batch; accumulate the group's "
-                        "gradients first, then one optimizer.step() and one zero_grad() per group")
-    raise Incorrect(f"{shown}: the parameters differ from one step per group on the concatenated micro-batches")
+        raise Incorrect(_("{shown}: likely mistake: a step after every micro-batch; accumulate the group's "
+                          "gradients first, then one optimizer.step() and one zero_grad() per group").format(
+            shown=shown))
+    raise Incorrect(_("{shown}: the parameters differ from one step per group on the concatenated "
+                      "micro-batches").format(shown=shown))
 
 
 _ACC_SIG = ("def accumulate(model, optimizer, batches, k):\n"
@@ -677,7 +701,7 @@ _ACC_SIG = ("def accumulate(model, optimizer, batches, k):\n"
             "    last group may be shorter); each step equals one step on its group concatenated.\"\"\"\n")
 
 register(Exercise(
-    id="05.6", title="Gradient accumulation, the last group included", answer="accumulate",
+    id="05.6", title=N_("Gradient accumulation, the last group included"), answer="accumulate",
     blank=_ACC_SIG + "    raise NotImplementedError  # your code here\n",
     solution=(_ACC_SIG
               + "    for start in range(0, len(batches), k):\n"
@@ -689,9 +713,9 @@ register(Exercise(
                 "        optimizer.step()\n"),
     setup="import torch\nimport torch.nn.functional as F\n",
     checker=_check_accumulate,
-    hints=["Loop over groups: batches[start:start + k] for start in range(0, len(batches), k).",
-           "Inside a group: zero_grad once, then for each micro-batch loss / len(group) and backward; then one "
-           "optimizer.step()."],
+    hints=[N_("Loop over groups: batches[start:start + k] for start in range(0, len(batches), k)."),
+           N_("Inside a group: zero_grad once, then for each micro-batch loss / len(group) and backward; then one "
+              "optimizer.step().")],
     mistakes=[
         Mistake(_ACC_SIG + "    optimizer.zero_grad()\n    for i, (x, y) in enumerate(batches):\n"
                 "        loss = F.cross_entropy(model(x), y) / k\n        loss.backward()\n"
@@ -728,16 +752,17 @@ def _fit_estimates():
 
 _FIT_RULES = [  # (a rule a learner may write, its feedback)
     (lambda e, free: e.total <= free,
-     "the whole predicted peak was compared with the free memory, but the parameters and the batch are already in "
-     "memory (they are not in what is free): compare total - parameters - batch"),
+     N_("the whole predicted peak was compared with the free memory, but the parameters and the batch are already "
+        "in memory (they are not in what is free): compare total - parameters - batch")),
     (lambda e, free: e.activations <= free,
-     "only the activations were compared; the step also creates the gradients and (on its first step) the "
-     "optimizer state"),
+     N_("only the activations were compared; the step also creates the gradients and (on its first step) the "
+        "optimizer state")),
     (lambda e, free: e.parameters + e.gradients + e.optimizer_state + e.activations <= free,
-     "the parts were added up (parameters + gradients + state + activations); the peak is less than their sum, "
-     "since activations are freed while the gradients grow, and the parameters already exist: use estimate.total"),
+     N_("the parts were added up (parameters + gradients + state + activations); the peak is less than their sum, "
+        "since activations are freed while the gradients grow, and the parameters already exist: use "
+        "estimate.total")),
     (lambda e, free: e.total - e.parameters - e.batch < free,
-     "a step that needs exactly the free memory does not fit with `<`; it does: use `<=`"),
+     N_("a step that needs exactly the free memory does not fit with `<`; it does: use `<=`")),
 ]
 
 
@@ -751,21 +776,28 @@ def _check_will_fit(will_fit):
                      (needed + min(parts, est.total)) // 2, est.total, est.activations):
             cases.append((est, free, needed <= free))
     answers = []
-    for est, free, _ in cases:
+    for est, free, _fits in cases:
         got = call(will_fit, est, free, name="will_fit", check_mutation=False)
         if not isinstance(got, bool):
-            raise Incorrect(f"will_fit should return True or False, got {describe(got)}")
+            raise Incorrect(_("will_fit should return True or False, got {value}").format(value=describe(got)))
         answers.append(got)
-    if answers == [expected for _, _, expected in cases]:
-        return "the same comparison the Trainer makes before its first step"
+    if answers == [expected for _est, _free, expected in cases]:
+        return _("the same comparison the Trainer makes before its first step")
     for rule, feedback in _FIT_RULES:
-        if answers == [rule(est, free) for est, free, _ in cases]:
-            raise Incorrect(f"likely mistake: {feedback}")
+        if answers == [rule(est, free) for est, free, _fits in cases]:
+            raise Incorrect(_("likely mistake: {feedback}").format(feedback=_(feedback)))
     est, free, expected = next(c for c, a in zip(cases, answers) if a != c[2])
-    raise Incorrect(f"with {format_bytes(free)} free (predicted peak {format_bytes(est.total)}, of which parameters "
-                    f"{format_bytes(est.parameters)} and batch {format_bytes(est.batch)} already exist) you said "
-                    f"{not expected}, but it {'fits' if expected else 'does not fit'}: the step needs "
-                    f"{format_bytes(est.total - est.parameters - est.batch)} more than what already exists")
+    if expected:
+        template = _("with {free} free (predicted peak {total}, of which parameters {parameters} and batch {batch} "
+                     "already exist) you said {answer}, but it fits: the step needs {needed} more than what "
+                     "already exists")
+    else:
+        template = _("with {free} free (predicted peak {total}, of which parameters {parameters} and batch {batch} "
+                     "already exist) you said {answer}, but it does not fit: the step needs {needed} more than "
+                     "what already exists")
+    raise Incorrect(template.format(free=format_bytes(free), total=format_bytes(est.total),
+                                    parameters=format_bytes(est.parameters), batch=format_bytes(est.batch),
+                                    answer=not expected, needed=format_bytes(est.total - est.parameters - est.batch)))
 
 
 _FIT_SIG = ("def will_fit(estimate, free_bytes):\n"
@@ -773,7 +805,7 @@ _FIT_SIG = ("def will_fit(estimate, free_bytes):\n"
             "    and a batch already on the device; `free_bytes`: what the device still has free.\"\"\"\n")
 
 register(Exercise(
-    id="05.7", title="The Trainer's memory check in one function", answer="will_fit",
+    id="05.7", title=N_("The Trainer's memory check in one function"), answer="will_fit",
     blank=_FIT_SIG + "    raise NotImplementedError  # your code here\n",
     solution=(_FIT_SIG
               + "    # parameters and batch are already allocated: only the rest of the peak must fit in what is free\n"
@@ -781,8 +813,8 @@ register(Exercise(
                 "    return still_needed <= free_bytes\n"),
     setup="",
     checker=_check_will_fit,
-    hints=["estimate.total is the predicted peak of everything, including what already exists.",
-           "Which parts of the peak are in memory before the step starts? They are not in `free_bytes`."],
+    hints=[N_("estimate.total is the predicted peak of everything, including what already exists."),
+           N_("Which parts of the peak are in memory before the step starts? They are not in `free_bytes`.")],
     mistakes=[
         Mistake(_FIT_SIG + "    return estimate.total <= free_bytes\n", "already in memory"),
         Mistake(_FIT_SIG + "    return estimate.activations <= free_bytes\n", "only the activations"),

@@ -23,7 +23,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..amp import OpDtypes, underflow_fraction
-from .core import AnswerTimeout, Exercise, Incorrect, Mistake, NotAttempted, call, describe, register
+from ..i18n import N_, _
+from .core import AnswerTimeout, Exercise, Incorrect, Mistake, NotAttempted, _short, call, describe, register
 
 _LOW = (torch.bfloat16, torch.float16)
 
@@ -38,17 +39,19 @@ def _seeded(seed: int = 0):
 
 def _require_function(answer: Any, name: str) -> Callable:
     if isinstance(answer, type) or not callable(answer):
-        raise Incorrect(f"{name} should be a function (written with `def {name}(...)`), got {describe(answer)}")
+        raise Incorrect(_("{name} should be a function (written with `def {name}(...)`), got {value}").format(
+            name=name, value=describe(answer)))
     return answer
 
 
 def _as_number(value: Any, label: str) -> float:
     if isinstance(value, torch.Tensor):
-        raise Incorrect(f"{label} returned {describe(value)}: return a Python number (use .item() or float())")
+        raise Incorrect(_("{label} returned {value}: return a Python number (use .item() or float())").format(
+            label=label, value=describe(value)))
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise Incorrect(f"{label} should return a number, got {describe(value)}")
+        raise Incorrect(_("{label} should return a number, got {value}").format(label=label, value=describe(value)))
     if not math.isfinite(value):
-        raise Incorrect(f"{label} returned {value!r}; expected a finite number")
+        raise Incorrect(_("{label} returned {value!r}; expected a finite number").format(label=label, value=value))
     return float(value)
 
 
@@ -89,55 +92,60 @@ def _table(low: torch.dtype, lowers: list[str], follows: list[str], fp32: list[s
 def _check_tables() -> list[tuple[str, dict[str, OpDtypes]]]:
     """Tables shaped like those autocast_dtype_table measures: CPU in bf16, CUDA in fp16, one with refusals."""
     return [
-        ("a CPU-like bfloat16 table", _table(torch.bfloat16, ["matmul", "linear", "conv2d"],
+        (N_("a CPU-like bfloat16 table"), _table(torch.bfloat16, ["matmul", "linear", "conv2d"],
                                              ["relu", "max_pool2d", "add", "exp", "softmax", "layer_norm"],
                                              ["cross_entropy", "mse_loss"])),
-        ("a CUDA-like float16 table", _table(torch.float16, ["matmul", "linear", "conv2d"],
+        (N_("a CUDA-like float16 table"), _table(torch.float16, ["matmul", "linear", "conv2d"],
                                              ["relu", "max_pool2d", "add"],
                                              ["exp", "softmax", "log_softmax", "layer_norm", "sum",
                                               "cross_entropy"])),
-        ("a table where some ops refused an input (None)", _table(torch.bfloat16, ["linear"], ["relu"],
-                                                                  ["mse_loss"], refused=("fft_r2c", "cholesky"))),
+        (N_("a table where some ops refused an input (None)"), _table(torch.bfloat16, ["linear"], ["relu"],
+                                                                      ["mse_loss"], refused=("fft_r2c", "cholesky"))),
     ]
 
 
 def _check_autocast_roles(autocast_roles):
     _require_function(autocast_roles, "autocast_roles")
     for label, table in _check_tables():
+        label = _(label)
         got = call(autocast_roles, table, name="autocast_roles")
         if not isinstance(got, dict):
-            raise Incorrect(f"autocast_roles should return a dict {{op name: role}}, got {describe(got)}")
+            raise Incorrect(_("autocast_roles should return a dict {{op name: role}}, got {value}").format(
+                value=describe(got)))
         if set(got) != set(table):
-            raise Incorrect(f"for {label}, the keys should be the op names of the table {sorted(table)}, "
-                            f"got {sorted(map(str, got))}")
+            raise Incorrect(_("for {label}, the keys should be the op names of the table {names}, "
+                              "got {keys}").format(label=label, names=sorted(table), keys=sorted(map(str, got))))
         bad = {k: v for k, v in got.items() if v not in _ROLES}
         if bad:
-            raise Incorrect(f"roles must be one of {_ROLES}, got {bad}")
+            raise Incorrect(_("roles must be one of {roles}, got {bad}").format(roles=_ROLES, bad=bad))
         expected = _reference_roles(table)
         wrong = {k: (got[k], expected[k]) for k in table if got[k] != expected[k]}
         if not wrong:
             continue
-        shown = ", ".join(f"{k}: {g!r} (expected {e!r})" for k, (g, e) in sorted(wrong.items()))
-        if any(e == "refused" for _, e in wrong.values()):
-            raise Incorrect(f"for {label}: {shown}: likely mistake: a None entry means the op refused that input "
-                            "on this device; classify it as 'refused' before looking at dtypes")
-        if table["linear"].from_fp32 == torch.float16 and any(e == "lowers" for _, e in wrong.values()):
-            raise Incorrect(f"for {label}: {shown}: likely mistake: only torch.bfloat16 was treated as low "
-                            "precision; autocast uses torch.float16 on older GPUs and Apple MPS: count both")
+        shown = ", ".join(_("{op}: {got!r} (expected {expected!r})").format(op=k, got=g, expected=e)
+                          for k, (g, e) in sorted(wrong.items()))
+        if any(e == "refused" for _g, e in wrong.values()):
+            raise Incorrect(_("for {label}: {shown}: likely mistake: a None entry means the op refused that input "
+                              "on this device; classify it as 'refused' before looking at dtypes").format(
+                label=label, shown=shown))
+        if table["linear"].from_fp32 == torch.float16 and any(e == "lowers" for _g, e in wrong.values()):
+            raise Incorrect(_("for {label}: {shown}: likely mistake: only torch.bfloat16 was treated as low "
+                              "precision; autocast uses torch.float16 on older GPUs and Apple MPS: count both").format(
+                label=label, shown=shown))
         if any(e == "follows" and g == "float32" for g, e in wrong.values()):
-            raise Incorrect(f"for {label}: {shown}: likely mistake: only from_fp32 was read; an op that returns "
-                            "float32 for float32 inputs still runs in low precision when it is fed low-precision "
-                            "activations (from_low): that op 'follows' its input")
-        raise Incorrect(f"for {label}: {shown}")
-    return ("lowers: matmul/linear/conv run in 16 bits even from float32 inputs; follows: elementwise ops and "
-            "pooling keep whatever dtype they get; float32: losses (and on CUDA softmax, exp, norms) are "
-            "pinned to float32")
+            raise Incorrect(_("for {label}: {shown}: likely mistake: only from_fp32 was read; an op that returns "
+                              "float32 for float32 inputs still runs in low precision when it is fed low-precision "
+                              "activations (from_low): that op 'follows' its input").format(label=label, shown=shown))
+        raise Incorrect(_("for {label}: {shown}").format(label=label, shown=shown))
+    return _("lowers: matmul/linear/conv run in 16 bits even from float32 inputs; follows: elementwise ops and "
+             "pooling keep whatever dtype they get; float32: losses (and on CUDA softmax, exp, norms) are "
+             "pinned to float32")
 
 
 _ROLES_DOC = '    """{op name: "lowers" | "follows" | "float32" | "refused"} for an autocast_dtype_table."""\n'
 
 register(Exercise(
-    id="06.1", title="Read the autocast table", answer="autocast_roles",
+    id="06.1", title=N_("Read the autocast table"), answer="autocast_roles",
     blank="def autocast_roles(table):\n" + _ROLES_DOC + "    raise NotImplementedError  # your code here\n",
     solution=("def autocast_roles(table):\n" + _ROLES_DOC
               + "    low = (torch.bfloat16, torch.float16)\n"
@@ -154,10 +162,10 @@ register(Exercise(
                 "    return roles\n"),
     setup="import torch\nfrom course_utils.amp import OpDtypes\n",
     checker=_check_autocast_roles,
-    hints=["Each entry is OpDtypes(from_fp32, from_low): the output dtype for float32 inputs and for "
-           "low-precision inputs. Check for None first.",
-           "Low precision means torch.bfloat16 or torch.float16. 'lowers': from_fp32 is low. 'follows': from_fp32 "
-           "is float32 but from_low is low. 'float32': both are float32."],
+    hints=[N_("Each entry is OpDtypes(from_fp32, from_low): the output dtype for float32 inputs and for "
+              "low-precision inputs. Check for None first."),
+           N_("Low precision means torch.bfloat16 or torch.float16. 'lowers': from_fp32 is low. 'follows': from_fp32 "
+              "is float32 but from_low is low. 'float32': both are float32.")],
     mistakes=[
         Mistake("def autocast_roles(table):\n"
                 "    return {name: (\"lowers\" if d.from_fp32 in (torch.bfloat16, torch.float16) else \"float32\")\n"
@@ -206,24 +214,26 @@ def _check_flushed_fraction(flushed_fraction):
             continue
         lost = expected * nonzero
         unscaled = underflow_fraction(grads, torch.float16)
-        label = f"flushed_fraction(grads, scale={scale:g}) returned {got:.4f}, expected {expected:.4f}"
+        label = _("flushed_fraction(grads, scale={scale:g}) returned {got:.4f}, expected {expected:.4f}").format(
+            scale=scale, got=got, expected=expected)
         if abs(got - lost / grads.numel()) <= 1e-6 or abs(got - (lost + grads.numel() - nonzero) / grads.numel()) <= 1e-6:
-            raise Incorrect(f"{label}: likely mistake: the values that were zero to begin with were counted (or "
-                            "divided by); count only the nonzero values, and among them those that become 0")
+            raise Incorrect(_("{label}: likely mistake: the values that were zero to begin with were counted (or "
+                              "divided by); count only the nonzero values, and among them those that become 0").format(
+                label=label))
         if scale > 1 and abs(got - unscaled) <= 1e-6:
-            raise Incorrect(f"{label}: likely mistake: cast to float16 before multiplying by the scale (or the "
-                            "scale was ignored): values that already flushed to 0 stay 0; multiply in float32 "
-                            "first, then cast")
+            raise Incorrect(_("{label}: likely mistake: cast to float16 before multiplying by the scale (or the "
+                              "scale was ignored): values that already flushed to 0 stay 0; multiply in float32 "
+                              "first, then cast").format(label=label))
         if got == 0.0 and expected > 0:
-            raise Incorrect(f"{label}: likely mistake: nothing flushed, as with bfloat16, which keeps float32's "
-                            "range; the question is about torch.float16")
+            raise Incorrect(_("{label}: likely mistake: nothing flushed, as with bfloat16, which keeps float32's "
+                              "range; the question is about torch.float16").format(label=label))
         raise Incorrect(label)
     zeros = torch.zeros(5)
     got = call(flushed_fraction, zeros, 1.0, name="flushed_fraction")
     if isinstance(got, torch.Tensor) or isinstance(got, bool) or not isinstance(got, (int, float)) or got != 0:
-        raise Incorrect(f"for an all-zero tensor (no nonzero value at all) the answer should be 0.0, got "
-                        f"{describe(got)}: guard the division")
-    return "scaled by 2**16, every value of this spread survives the cast to float16"
+        raise Incorrect(_("for an all-zero tensor (no nonzero value at all) the answer should be 0.0, got "
+                          "{value}: guard the division").format(value=describe(got)))
+    return _("scaled by 2**16, every value of this spread survives the cast to float16")
 
 
 _FLUSH_SIG = ("def flushed_fraction(grads, scale=1.0):\n"
@@ -231,7 +241,7 @@ _FLUSH_SIG = ("def flushed_fraction(grads, scale=1.0):\n"
               "    `scale` (a Python float; 0.0 when there is no nonzero value).\"\"\"\n")
 
 register(Exercise(
-    id="06.2", title="How many gradients flush to zero?", answer="flushed_fraction",
+    id="06.2", title=N_("How many gradients flush to zero?"), answer="flushed_fraction",
     blank=_FLUSH_SIG + "    raise NotImplementedError  # your code here\n",
     solution=(_FLUSH_SIG
               + "    scaled = grads.float() * scale            # scale first, in float32\n"
@@ -241,10 +251,10 @@ register(Exercise(
                 "    return int(flushed.sum()) / n if n else 0.0\n"),
     setup="import torch\n",
     checker=_check_flushed_fraction,
-    hints=["Multiply in float32 first, then cast with .half(): a value that became 0 in float16 cannot be "
-           "brought back by scaling afterwards.",
-           "Count only values that were nonzero before the cast: (x != 0) & (x.half() == 0). Return a Python "
-           "float: int(tensor.sum()) divides like any number."],
+    hints=[N_("Multiply in float32 first, then cast with .half(): a value that became 0 in float16 cannot be "
+              "brought back by scaling afterwards."),
+           N_("Count only values that were nonzero before the cast: (x != 0) & (x.half() == 0). Return a Python "
+              "float: int(tensor.sum()) divides like any number.")],
     mistakes=[
         Mistake(_FLUSH_SIG + "    h = grads.half() * scale\n    nz = grads != 0\n"
                 "    return float((nz & (h == 0)).sum() / max(int(nz.sum()), 1))\n", "cast to float16 before"),
@@ -284,26 +294,28 @@ def _run_learner_step(fp16_step, model, optimizer, scaler, x, y, label: str):
         out = call(fp16_step, model, optimizer, scaler, x, y, name="fp16_step", check_mutation=False)
     except Incorrect as exc:
         text = str(exc)
-        cut = text.find(") raised ")
-        if text.startswith("calling fp16_step(") and cut >= 0:  # the arguments' reprs are long: name them
-            text = "fp16_step(model, optimizer, scaler, x, y)" + text[cut + 1:]
+        # the arguments' reprs are long: name them (a replace, not a parse, so it works in any language)
+        long_call = "fp16_step(" + ", ".join(_short(a) for a in (model, optimizer, scaler, x, y)) + ")"
+        text = text.replace(long_call, "fp16_step(model, optimizer, scaler, x, y)")
         if "_scale is None" in text or "scaler.scale(" in text:
-            raise Incorrect(f"{text}: likely mistake: loss.backward() without scaler.scale(loss): the scaler has "
-                            "nothing to unscale; call scaler.scale(loss).backward()") from None
+            raise Incorrect(_("{text}: likely mistake: loss.backward() without scaler.scale(loss): the scaler has "
+                              "nothing to unscale; call scaler.scale(loss).backward()").format(text=text)) from None
         if "No inf checks were recorded" in text:
-            raise Incorrect(f"{text}: likely mistake: optimizer.step() was called directly, so the scaled gradients "
-                            "were applied and the scaler never checked them; call scaler.step(optimizer), which "
-                            "unscales first (and skips the step on inf/nan)") from None
+            raise Incorrect(_("{text}: likely mistake: optimizer.step() was called directly, so the scaled gradients "
+                              "were applied and the scaler never checked them; call scaler.step(optimizer), which "
+                              "unscales first (and skips the step on inf/nan)").format(text=text)) from None
         if "since the last update" in text:
-            raise Incorrect(f"{text}: likely mistake: scaler.update() was not called after scaler.step(optimizer); "
-                            "without it the scale never adapts and the next step() refuses to run") from None
+            raise Incorrect(_("{text}: likely mistake: scaler.update() was not called after scaler.step(optimizer); "
+                              "without it the scale never adapts and the next step() refuses to run").format(
+                text=text)) from None
         raise Incorrect(text) from None
     finally:
         handle.remove()
     if seen and seen[0] != torch.float16:
         which = "bfloat16" if seen[0] == torch.bfloat16 else str(seen[0]).removeprefix("torch.")
-        raise Incorrect(f"{label}: the first Linear layer produced {which}, expected float16: wrap the forward "
-                        "pass and the loss in torch.amp.autocast(x.device.type, dtype=torch.float16)")
+        raise Incorrect(_("{label}: the first Linear layer produced {which}, expected float16: wrap the forward "
+                          "pass and the loss in torch.amp.autocast(x.device.type, dtype=torch.float16)").format(
+            label=label, which=which))
     return out
 
 
@@ -319,57 +331,60 @@ def _check_fp16_step(fp16_step):
 
     for k, (xb, yb) in enumerate([(x, y), (x2, y2)], 1):
         before = _params(model)
-        out = _run_learner_step(fp16_step, model, opt, scaler, xb, yb, f"step {k}")
+        out = _run_learner_step(fp16_step, model, opt, scaler, xb, yb, _("step {k}").format(k=k))
         ref_before = _params(ref)
         ref_loss = _reference_step(ref, ref_opt, ref_scaler, xb, yb)
         if not isinstance(out, torch.Tensor) or out.numel() != 1:
-            raise Incorrect(f"fp16_step should return the loss, a 0-d tensor, got {describe(out)}")
+            raise Incorrect(_("fp16_step should return the loss, a 0-d tensor, got {value}").format(
+                value=describe(out)))
         if out.requires_grad:
-            raise Incorrect("fp16_step returned a loss that still holds the autograd graph: return loss.detach()")
+            raise Incorrect(_("fp16_step returned a loss that still holds the autograd graph: return loss.detach()"))
         if not torch.allclose(out.float(), ref_loss.float(), rtol=1e-3, atol=1e-4):
-            raise Incorrect(f"step {k} returned a loss of {float(out):.5f}; cross-entropy of the batch under float16 "
-                            f"autocast is {float(ref_loss):.5f}")
+            raise Incorrect(_("step {k} returned a loss of {loss:.5f}; cross-entropy of the batch under float16 "
+                              "autocast is {expected:.5f}").format(k=k, loss=float(out), expected=float(ref_loss)))
         for p, q, p0, q0 in zip(model.parameters(), ref.parameters(), before, ref_before):
             if torch.allclose(p, q, rtol=1e-4, atol=1e-6):
                 continue
             moved, ref_moved = (p.detach() - p0).norm(), (q.detach() - q0).norm()
             if ref_moved > 0 and moved / ref_moved > 100:
-                raise Incorrect(f"step {k} moved the weights {float(moved / ref_moved):.0f}x too far: likely "
-                                "mistake: optimizer.step() used the scaled gradients; call scaler.step(optimizer), "
-                                "which unscales them first (and skips the step on inf/nan)")
+                raise Incorrect(_("step {k} moved the weights {ratio:.0f}x too far: likely "
+                                  "mistake: optimizer.step() used the scaled gradients; call scaler.step(optimizer), "
+                                  "which unscales them first (and skips the step on inf/nan)").format(
+                    k=k, ratio=float(moved / ref_moved)))
             if k == 2:
-                raise Incorrect("step 1 matched the reference but step 2 did not: likely mistake: the gradients of "
-                                "step 1 were still there; call optimizer.zero_grad() at the start of each step")
-            raise Incorrect(f"after step {k} the weights differ from a reference fp16 step with loss scaling")
+                raise Incorrect(_("step 1 matched the reference but step 2 did not: likely mistake: the gradients of "
+                                  "step 1 were still there; call optimizer.zero_grad() at the start of each step"))
+            raise Incorrect(_("after step {k} the weights differ from a reference fp16 step with loss scaling").format(
+                k=k))
         if scaler.get_scale() != ref_scaler.get_scale():
-            raise Incorrect(f"after step {k} the scale is {scaler.get_scale():g}, expected "
-                            f"{ref_scaler.get_scale():g}")
+            raise Incorrect(_("after step {k} the scale is {scale:g}, expected {expected:g}").format(
+                k=k, scale=scaler.get_scale(), expected=ref_scaler.get_scale()))
 
     bad = x.clone()
     bad[0, 0] = float("inf")  # a batch that overflows: its gradients are inf/nan, so the step must be skipped
     before, scale_before = _params(model), scaler.get_scale()
-    _run_learner_step(fp16_step, model, opt, scaler, bad, y, "the overflow step")
+    _run_learner_step(fp16_step, model, opt, scaler, bad, y, _("the overflow step"))
     after = _params(model)
     if not all(torch.isfinite(p).all() for p in after):
-        raise Incorrect("a batch with an inf made the weights inf/nan: likely mistake: the step was not skipped; "
-                        "scaler.step(optimizer) checks the gradients and skips optimizer.step() on inf/nan")
+        raise Incorrect(_("a batch with an inf made the weights inf/nan: likely mistake: the step was not skipped; "
+                          "scaler.step(optimizer) checks the gradients and skips optimizer.step() on inf/nan"))
     if not all(torch.equal(a, b) for a, b in zip(before, after)):
-        raise Incorrect("a batch whose gradients overflow changed the weights; that step should be skipped "
-                        "(scaler.step(optimizer) does it)")
+        raise Incorrect(_("a batch whose gradients overflow changed the weights; that step should be skipped "
+                          "(scaler.step(optimizer) does it)"))
     if scaler.get_scale() == scale_before:
-        raise Incorrect(f"after an overflow the scale is still {scale_before:g}: likely mistake: scaler.update() "
-                        "was not called; it halves the scale after a skipped step")
+        raise Incorrect(_("after an overflow the scale is still {scale:g}: likely mistake: scaler.update() "
+                          "was not called; it halves the scale after a skipped step").format(scale=scale_before))
     if scaler.get_scale() != scale_before / 2:
-        raise Incorrect(f"after an overflow the scale went from {scale_before:g} to {scaler.get_scale():g}; "
-                        "GradScaler halves it")
-    return "two steps match the reference, and the overflow step was skipped with the scale halved"
+        raise Incorrect(_("after an overflow the scale went from {before:g} to {after:g}; "
+                          "GradScaler halves it").format(before=scale_before, after=scaler.get_scale()))
+    return _("two steps match the reference, and the overflow step was skipped with the scale halved")
 
 
 _STEP_SIG = ("def fp16_step(model, optimizer, scaler, x, y):\n"
              "    \"\"\"One training step in float16 autocast with loss scaling; returns the loss, detached.\"\"\"\n")
 
 register(Exercise(
-    id="06.3", title="An fp16 step with a GradScaler", answer="fp16_step",
+    id="06.3", title=N_("An fp16 step with a GradScaler"), answer="fp16_step",
     blank=_STEP_SIG + "    raise NotImplementedError  # your code here\n",
     solution=(_STEP_SIG
               + "    optimizer.zero_grad(set_to_none=True)\n"
@@ -381,10 +396,10 @@ register(Exercise(
                 "    return loss.detach()\n"),
     setup="import torch\nimport torch.nn.functional as F\n",
     checker=_check_fp16_step,
-    hints=["Four parts: zero the gradients; forward and loss inside torch.amp.autocast(x.device.type, "
-           "dtype=torch.float16); backward of the scaled loss; step and update through the scaler.",
-           "scaler.scale(loss).backward(), then scaler.step(optimizer) (not optimizer.step()), then "
-           "scaler.update()."],
+    hints=[N_("Four parts: zero the gradients; forward and loss inside torch.amp.autocast(x.device.type, "
+              "dtype=torch.float16); backward of the scaled loss; step and update through the scaler."),
+           N_("scaler.scale(loss).backward(), then scaler.step(optimizer) (not optimizer.step()), then "
+              "scaler.update().")],
     mistakes=[
         Mistake(_STEP_SIG + "    optimizer.zero_grad()\n"
                 "    with torch.amp.autocast(x.device.type, dtype=torch.float16):\n"
@@ -424,17 +439,18 @@ def _precision() -> str:
     try:
         return torch.get_float32_matmul_precision()
     except RuntimeError as exc:  # torch >= 2.9: the new fp32_precision API was used, the old getter refuses
-        raise Incorrect(f"torch.get_float32_matmul_precision() now raises ({str(exc).split(',')[0]}): likely "
-                        "mistake: the new torch.backends...fp32_precision settings were mixed with "
-                        "set_float32_matmul_precision; use set_float32_matmul_precision only") from None
+        raise Incorrect(_("torch.get_float32_matmul_precision() now raises ({error}): likely "
+                          "mistake: the new torch.backends...fp32_precision settings were mixed with "
+                          "set_float32_matmul_precision; use set_float32_matmul_precision only").format(
+            error=str(exc).split(',')[0])) from None
 
 
 def _enter(cm: Any, label: str, probe: bool) -> str | None:
     """Run `with cm:` (raising _Probe inside when `probe`); returns the precision seen inside."""
     if not (hasattr(type(cm), "__enter__") and hasattr(type(cm), "__exit__")):
-        raise Incorrect(f"{label} should return a context manager (usable in a `with` statement), got "
-                        f"{describe(cm)}: likely mistake: a plain function; decorate a generator with "
-                        "@contextlib.contextmanager")
+        raise Incorrect(_("{label} should return a context manager (usable in a `with` statement), got "
+                          "{value}: likely mistake: a plain function; decorate a generator with "
+                          "@contextlib.contextmanager").format(label=label, value=describe(cm)))
     inside = None
     try:
         with cm:
@@ -448,11 +464,12 @@ def _enter(cm: Any, label: str, probe: bool) -> str | None:
     except (AnswerTimeout, KeyboardInterrupt, Incorrect):
         raise
     except Exception as exc:
-        raise Incorrect(f"`with {label}:` raised {type(exc).__name__}: {exc}") from None
+        raise Incorrect(_("`with {label}:` raised {error}: {message}").format(
+            label=label, error=type(exc).__name__, message=exc)) from None
     if probe:
-        raise Incorrect(f"an exception raised inside `with {label}:` did not come out: the context manager "
-                        "swallowed it; let exceptions propagate (do not return True from __exit__ or catch "
-                        "around the yield)")
+        raise Incorrect(_("an exception raised inside `with {label}:` did not come out: the context manager "
+                          "swallowed it; let exceptions propagate (do not return True from __exit__ or catch "
+                          "around the yield)").format(label=label))
     return inside
 
 
@@ -468,25 +485,27 @@ def _check_matmul_precision(matmul_precision):
         inside = _enter(cm, "matmul_precision('medium')", probe=False)
         after = _precision()
         if inside != "medium":
-            raise Incorrect(f"inside `with matmul_precision('medium'):` the precision was {inside!r}, expected "
-                            "'medium'")
+            raise Incorrect(_("inside `with matmul_precision('medium'):` the precision was {inside!r}, expected "
+                              "'medium'").format(inside=inside))
         if after != "high":
-            hint = (": likely mistake: restored 'highest' (the default) instead of the setting in force before "
-                    "the block ('high'); read it with torch.get_float32_matmul_precision() first"
-                    if after == "highest" else "")
-            raise Incorrect(f"after the block the precision is {after!r}, expected 'high' (the setting before)"
-                            f"{hint}")
+            if after == "highest":
+                raise Incorrect(_("after the block the precision is {after!r}, expected 'high' (the setting before): "
+                                  "likely mistake: restored 'highest' (the default) instead of the setting in force "
+                                  "before the block ('high'); read it with torch.get_float32_matmul_precision() "
+                                  "first").format(after=after))
+            raise Incorrect(_("after the block the precision is {after!r}, expected 'high' (the setting "
+                              "before)").format(after=after))
         torch.set_float32_matmul_precision("highest")
         cm = call(matmul_precision, "high", name="matmul_precision")
         _enter(cm, "matmul_precision('high')", probe=True)
         after = _precision()
         if after != "highest":
-            raise Incorrect(f"an exception inside the with block left the precision at {after!r} instead of "
-                            "restoring 'highest': likely mistake: the restore is skipped when the block raises; "
-                            "put it in a finally")
+            raise Incorrect(_("an exception inside the with block left the precision at {after!r} instead of "
+                              "restoring 'highest': likely mistake: the restore is skipped when the block raises; "
+                              "put it in a finally").format(after=after))
     finally:
         torch.set_float32_matmul_precision(original)
-    return "set inside, the previous value back afterwards, even when the block raises"
+    return _("set inside, the previous value back afterwards, even when the block raises")
 
 
 _PREC_SIG = ("@contextlib.contextmanager\n"
@@ -495,7 +514,7 @@ _PREC_SIG = ("@contextlib.contextmanager\n"
              "back.\"\"\"\n")
 
 register(Exercise(
-    id="06.4", title="TF32 for one block only", answer="matmul_precision",
+    id="06.4", title=N_("TF32 for one block only"), answer="matmul_precision",
     blank=_PREC_SIG + "    raise NotImplementedError  # your code here\n",
     solution=(_PREC_SIG
               + "    previous = torch.get_float32_matmul_precision()\n"
@@ -506,9 +525,9 @@ register(Exercise(
                 "        torch.set_float32_matmul_precision(previous)\n"),
     setup="import contextlib\nimport torch\n",
     checker=_check_matmul_precision,
-    hints=["Read the current value with torch.get_float32_matmul_precision() before changing it.",
-           "In a @contextlib.contextmanager generator, the code after `yield` runs when the block ends; put it in "
-           "`finally:` so that it also runs when the block raises."],
+    hints=[N_("Read the current value with torch.get_float32_matmul_precision() before changing it."),
+           N_("In a @contextlib.contextmanager generator, the code after `yield` runs when the block ends; put it in "
+              "`finally:` so that it also runs when the block raises.")],
     mistakes=[
         Mistake(_PREC_SIG + "    torch.set_float32_matmul_precision(precision)\n    try:\n        yield\n"
                 "    finally:\n        torch.set_float32_matmul_precision(\"highest\")\n", "restored 'highest'"),
@@ -537,7 +556,7 @@ class _Peaks:
 
     def __call__(self, batch, amp=False):
         if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
-            raise ValueError(f"peak() takes a batch size (an int >= 1), got {batch!r}")
+            raise ValueError(_("peak() takes a batch size (an int >= 1), got {batch!r}").format(batch=batch))
         self.calls += 1
         if self.calls > _PEAK_BUDGET:
             raise _TooManyPeaks()
@@ -609,48 +628,59 @@ def _check_break_even(amp_break_even):
     scenarios = [
         # (what, fp32 peak, autocast peak, max_batch): the optimizer step sets both peaks for small batches,
         # then autocast's weight copies cost more, then its smaller activations win from batch 201
-        ("a model where autocast first costs memory, then saves it", lambda b: 1024 * max(5000, 1000 + 30 * b),
+        (N_("a model where autocast first costs memory, then saves it"), lambda b: 1024 * max(5000, 1000 + 30 * b),
          lambda b: 1024 * max(5000, 3005 + 20 * b), 4096),
-        ("a model whose optimizer step sets both peaks until float32's activations outgrow it",
+        (N_("a model whose optimizer step sets both peaks until float32's activations outgrow it"),
          lambda b: 1024 * max(5000, 1000 + 30 * b), lambda b: 1024 * max(5000, 500 + 20 * b), 4096),
-        ("a model where autocast never saves memory", lambda b: 1024 * (4000 + 10 * b),
+        (N_("a model where autocast never saves memory"), lambda b: 1024 * (4000 + 10 * b),
          lambda b: 1024 * (6000 + 10 * b), 4096),
-        ("the wide MLP above (estimate_training_memory)", _estimated(net, opt, False), _estimated(net, opt, True),
+        (N_("the wide MLP above (estimate_training_memory)"), _estimated(net, opt, False), _estimated(net, opt, True),
          4096),
     ]
     for what, fp32, amp, max_batch in scenarios:
+        what = _(what)
         peaks = _Peaks(fp32, amp)
         try:
             got = call(amp_break_even, peaks, max_batch, name="amp_break_even", check_mutation=False)
         except Incorrect:
             if peaks.calls <= _PEAK_BUDGET:
                 raise
-            raise Incorrect(f"for {what}, amp_break_even asked for more than {_PEAK_BUDGET} peaks: likely mistake: "
-                            "trying every batch size in turn; each peak is a training step run on fake tensors. "
-                            "The answer splits the sizes in two (smaller: no saving, larger: saving): bisect") from None
+            raise Incorrect(_("for {what}, amp_break_even asked for more than {budget} peaks: likely mistake: "
+                              "trying every batch size in turn; each peak is a training step run on fake tensors. "
+                              "The answer splits the sizes in two (smaller: no saving, larger: saving): "
+                              "bisect").format(what=what, budget=_PEAK_BUDGET)) from None
         expected = _first_saving(_Peaks(fp32, amp), max_batch)
         if got == expected:
             continue
         if got is not None and (isinstance(got, bool) or not isinstance(got, int)):
-            raise Incorrect(f"amp_break_even should return a batch size (an int) or None, got {describe(got)}")
-        shown = f"for {what}, amp_break_even returned {got!r}, expected {expected!r}"
+            raise Incorrect(_("amp_break_even should return a batch size (an int) or None, got {value}").format(
+                value=describe(got)))
+        shown = _("for {what}, amp_break_even returned {got!r}, expected {expected!r}").format(
+            what=what, got=got, expected=expected)
         if expected is None:
-            raise Incorrect(f"{shown}: at batch {got} autocast's peak is {format_bytes(amp(got))}, float32's "
-                            f"{format_bytes(fp32(got))}: no batch up to max_batch saves memory, return None")
+            raise Incorrect(_("{shown}: at batch {batch} autocast's peak is {amp_peak}, float32's "
+                              "{fp32_peak}: no batch up to max_batch saves memory, return None").format(
+                shown=shown, batch=got, amp_peak=format_bytes(amp(got)), fp32_peak=format_bytes(fp32(got))))
         if got is None:
-            raise Incorrect(f"{shown}: from batch {expected}, autocast's peak ({format_bytes(amp(expected))}) is "
-                            f"below float32's ({format_bytes(fp32(expected))}): likely mistake: waiting for a large "
-                            "saving ('nearly halves'); any saving counts")
+            raise Incorrect(_("{shown}: from batch {batch}, autocast's peak ({amp_peak}) is "
+                              "below float32's ({fp32_peak}): likely mistake: waiting for a large "
+                              "saving ('nearly halves'); any saving counts").format(
+                shown=shown, batch=expected, amp_peak=format_bytes(amp(expected)),
+                fp32_peak=format_bytes(fp32(expected))))
         if not 1 <= got <= max_batch:
-            raise Incorrect(f"{shown}: batch sizes run from 1 to max_batch = {max_batch}")
+            raise Incorrect(_("{shown}: batch sizes run from 1 to max_batch = {max_batch}").format(
+                shown=shown, max_batch=max_batch))
         if amp(got) == fp32(got):
-            raise Incorrect(f"{shown}: at batch {got} both peaks are {format_bytes(fp32(got))}: likely mistake: "
-                            "<= instead of <; equal peaks are no saving")
+            raise Incorrect(_("{shown}: at batch {batch} both peaks are {peak}: likely mistake: "
+                              "<= instead of <; equal peaks are no saving").format(
+                shown=shown, batch=got, peak=format_bytes(fp32(got))))
         if amp(got) > fp32(got):
-            raise Incorrect(f"{shown}: at batch {got} autocast's peak is still {format_bytes(amp(got) - fp32(got))} "
-                            "above float32's: likely mistake: the search stops one step early (off by one)")
-        raise Incorrect(f"{shown}: autocast already saves at batch {expected}: likely mistake: doubling the batch "
-                        "overshoots; search between the last size without a saving and the first with one")
+            raise Incorrect(_("{shown}: at batch {batch} autocast's peak is still {excess} "
+                              "above float32's: likely mistake: the search stops one step early (off by one)").format(
+                shown=shown, batch=got, excess=format_bytes(amp(got) - fp32(got))))
+        raise Incorrect(_("{shown}: autocast already saves at batch {batch}: likely mistake: doubling the batch "
+                          "overshoots; search between the last size without a saving and the first with one").format(
+            shown=shown, batch=expected))
     b = expected
     measured = {n: _measured_peaks(net, opt, n) for n in (b - 1, b)}
     agree = (measured[b - 1][1] >= measured[b - 1][0]) and (measured[b][1] < measured[b][0])
@@ -658,9 +688,14 @@ def _check_break_even(amp_break_even):
     def diff(n):
         fp32_peak, amp_peak = measured[n]
         sign = "+" if amp_peak >= fp32_peak else "-"
-        return f"batch {n}: bf16 {sign}{format_bytes(abs(amp_peak - fp32_peak))} against float32"
-    return (f"the wide MLP saves from batch {b}; measured on a SimulatedGPU, {diff(b - 1)}, {diff(b)}"
-            + ("" if agree else " (the measurement and the estimate disagree here: the estimator is off at this size)"))
+        return _("batch {batch}: bf16 {sign}{size} against float32").format(
+            batch=n, sign=sign, size=format_bytes(abs(amp_peak - fp32_peak)))
+    if agree:
+        return _("the wide MLP saves from batch {batch}; measured on a SimulatedGPU, {below}, {at}").format(
+            batch=b, below=diff(b - 1), at=diff(b))
+    return _("the wide MLP saves from batch {batch}; measured on a SimulatedGPU, {below}, {at} (the measurement "
+             "and the estimate disagree here: the estimator is off at this size)").format(
+        batch=b, below=diff(b - 1), at=diff(b))
 
 
 _BE_DOC = ("def amp_break_even(peak, max_batch=4096):\n"
@@ -688,17 +723,18 @@ def _be_variant(old: str, new: str) -> str:
 
 
 register(Exercise(
-    id="06.5", title="From which batch size does autocast save memory?", answer="amp_break_even",
+    id="06.5", title=N_("From which batch size does autocast save memory?"), answer="amp_break_even",
     blank=_BE_DOC + "    raise NotImplementedError  # your code here\n",
     solution=_BE_SOLUTION,
     setup="",
     checker=_check_break_even,
     timeout=30.0,
-    hints=["Autocast's 16-bit weight copies cost a fixed amount; its smaller activations save an amount that grows "
-           "with the batch. So there is a batch size below which it never saves and from which it always does.",
-           "Each peak() call runs a training step on fake tensors: bisect between 1 and max_batch (about 24 calls), "
-           "after checking that max_batch saves at all.",
-           "Equal peaks are no saving: test peak(b, amp=True) < peak(b)."],
+    hints=[N_("Autocast's 16-bit weight copies cost a fixed amount; its smaller activations save an amount that "
+              "grows with the batch. So there is a batch size below which it never saves and from which it always "
+              "does."),
+           N_("Each peak() call runs a training step on fake tensors: bisect between 1 and max_batch (about 24 calls), "
+              "after checking that max_batch saves at all."),
+           N_("Equal peaks are no saving: test peak(b, amp=True) < peak(b).")],
     mistakes=[
         Mistake(_BE_DOC + "    for batch in range(1, max_batch + 1):\n"
                 "        if peak(batch, amp=True) < peak(batch):\n            return batch\n    return None\n",

@@ -16,6 +16,7 @@ from unittest import mock
 import torch
 from torch import nn
 
+from ..i18n import N_, _
 from ._sync import HostReads, on_device
 from .core import Exercise, Incorrect, Mistake, call, describe, register
 
@@ -46,10 +47,11 @@ def _reference_epoch(model, optimizer, loss_fn, loader) -> float:
 
 def _as_loss(value, label: str) -> float:
     if isinstance(value, torch.Tensor):
-        raise Incorrect(f"{label} returned a tensor ({describe(value)}); return a Python float: "
-                        "call .item() once, at the end of the epoch")
+        raise Incorrect(_("{label} returned a tensor ({value}); return a Python float: "
+                          "call .item() once, at the end of the epoch").format(label=label, value=describe(value)))
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise Incorrect(f"{label} should return a float (the epoch's mean loss), got {describe(value)}")
+        raise Incorrect(_("{label} should return a float (the epoch's mean loss), got {value}").format(
+            label=label, value=describe(value)))
     return float(value)
 
 
@@ -57,7 +59,7 @@ def _as_loss(value, label: str) -> float:
 
 def _check_train_one_epoch(train_one_epoch):
     if not callable(train_one_epoch):
-        raise Incorrect(f"train_one_epoch should be a function, got {describe(train_one_epoch)}")
+        raise Incorrect(_("train_one_epoch should be a function, got {value}").format(value=describe(train_one_epoch)))
     model, opt, loss_fn, loader = _problem()
     ref_model, ref_opt = copy.deepcopy(model), None
     ref_opt = torch.optim.SGD(ref_model.parameters(), lr=0.1, momentum=0.9)
@@ -68,26 +70,28 @@ def _check_train_one_epoch(train_one_epoch):
     got = _as_loss(out, "train_one_epoch")
     weights_equal = all(torch.allclose(p, q, atol=1e-6) for p, q in zip(model.parameters(), ref_model.parameters()))
     if all(torch.equal(p, q) for p, q in zip(model.parameters(), _problem()[0].parameters())):
-        raise Incorrect("the model's weights did not change: likely mistake: optimizer.step() is never called")
+        raise Incorrect(_("the model's weights did not change: likely mistake: optimizer.step() is never called"))
     if not weights_equal:
-        raise Incorrect("the weights after your epoch differ from a correct loop's: likely mistake: "
-                        "optimizer.zero_grad() is missing, so gradients pile up across steps")
+        raise Incorrect(_("the weights after your epoch differ from a correct loop's: likely mistake: "
+                          "optimizer.zero_grad() is missing, so gradients pile up across steps"))
     n_samples = sum(len(y) for _, y in loader)
     if any(math.isclose(got, expected * k, rel_tol=1e-4) for k in (len(loader), n_samples)):
-        raise Incorrect(f"returned {got:.4f}, a multiple of the mean loss {expected:.4f}: likely mistake: "
-                        "the sum of the batch losses is returned instead of the mean over samples")
+        raise Incorrect(_("returned {got:.4f}, a multiple of the mean loss {expected:.4f}: likely mistake: "
+                          "the sum of the batch losses is returned instead of the mean over samples").format(
+                              got=got, expected=expected))
     if not math.isclose(got, expected, rel_tol=1e-4, abs_tol=1e-6):
-        raise Incorrect(f"the weights are right but the returned loss is {got:.6f}, expected the epoch's mean "
-                        f"loss {expected:.6f} (batch losses weighted by batch size)")
+        raise Incorrect(_("the weights are right but the returned loss is {got:.6f}, expected the epoch's mean "
+                          "loss {expected:.6f} (batch losses weighted by batch size)").format(got=got, expected=expected))
     if reads.total >= len(loader):
-        raise Incorrect(f"correct numbers, but {reads.total} host reads in one epoch of {len(loader)} steps "
-                        f"({reads.describe()}): likely mistake: the loss is brought to the host every step, which "
-                        "on a GPU makes the CPU wait for every step. Sum the losses as tensors and call .item() "
-                        "once at the end")
+        raise Incorrect(_("correct numbers, but {reads} host reads in one epoch of {steps} steps "
+                          "({details}): likely mistake: the loss is brought to the host every step, which "
+                          "on a GPU makes the CPU wait for every step. Sum the losses as tensors and call .item() "
+                          "once at the end").format(reads=reads.total, steps=len(loader), details=reads.describe()))
     if reads.total > 1:
-        raise Incorrect(f"correct numbers, but {reads.total} host reads in one epoch ({reads.describe()}): one "
-                        "is enough, the .item() of the mean at the end")
-    return "same weights and mean loss as a correct loop, with a single sync per epoch"
+        raise Incorrect(_("correct numbers, but {reads} host reads in one epoch ({details}): one "
+                          "is enough, the .item() of the mean at the end").format(reads=reads.total,
+                                                                                 details=reads.describe()))
+    return _("same weights and mean loss as a correct loop, with a single sync per epoch")
 
 
 _EPOCH_HEAD = "def train_one_epoch(model, optimizer, loss_fn, loader):\n"
@@ -103,15 +107,15 @@ _EPOCH_SOLUTION = _EPOCH_HEAD + (
     "    return (total / count).item()  # one sync per epoch\n")
 
 register(Exercise(
-    id="07.1", title="One epoch, one sync", answer="train_one_epoch",
+    id="07.1", title=N_("One epoch, one sync"), answer="train_one_epoch",
     blank=_EPOCH_HEAD + "    raise NotImplementedError  # your code here\n",
     solution=_EPOCH_SOLUTION,
     setup="import torch\n",
     checker=_check_train_one_epoch,
-    hints=["The four lines of a step: zero_grad, forward + loss, backward, step.",
-           "Keep a running total as a tensor: `total += loss.detach() * len(y)`; call `.item()` once at the end.",
-           "The mean over samples is total / number of samples, not total / number of batches (the last batch "
-           "may be smaller)."],
+    hints=[N_("The four lines of a step: zero_grad, forward + loss, backward, step."),
+           N_("Keep a running total as a tensor: `total += loss.detach() * len(y)`; call `.item()` once at the end."),
+           N_("The mean over samples is total / number of samples, not total / number of batches (the last batch "
+              "may be smaller).")],
     mistakes=[
         Mistake(_EPOCH_SOLUTION.replace("        optimizer.zero_grad()\n", ""), "zero_grad() is missing"),
         Mistake(_EPOCH_SOLUTION.replace("    return (total / count).item()", "    return total.item()"),
@@ -143,35 +147,35 @@ register(Exercise(
 
 def _check_mini_trainer(MiniTrainer):
     if not isinstance(MiniTrainer, type):
-        raise Incorrect(f"MiniTrainer should be a class, got {describe(MiniTrainer)}")
+        raise Incorrect(_("MiniTrainer should be a class, got {value}").format(value=describe(MiniTrainer)))
     model, opt, loss_fn, loader = _problem(seed=1)
     ref_model = copy.deepcopy(model)
     ref_opt = torch.optim.SGD(ref_model.parameters(), lr=0.1, momentum=0.9)
     expected = [_reference_epoch(ref_model, ref_opt, loss_fn, loader) for _ in range(3)]
     trainer = call(MiniTrainer, model, opt, loss_fn, loader, name="MiniTrainer", check_mutation=False)
     if not callable(trainer):
-        raise Incorrect("a MiniTrainer instance is not callable: likely mistake: the training loop is in a method "
-                        "with another name; define `__call__(self, epochs)`")
+        raise Incorrect(_("a MiniTrainer instance is not callable: likely mistake: the training loop is in a method "
+                          "with another name; define `__call__(self, epochs)`"))
     first = call(trainer, 2, name="trainer")
     if not isinstance(first, list):
-        raise Incorrect(f"trainer(2) should return a list of 2 losses, got {describe(first)}: likely mistake: "
-                        "returning only the last epoch's loss")
+        raise Incorrect(_("trainer(2) should return a list of 2 losses, got {value}: likely mistake: "
+                          "returning only the last epoch's loss").format(value=describe(first)))
     if len(first) != 2:
-        raise Incorrect(f"trainer(2) returned {len(first)} losses, expected one per epoch (2)")
-    losses = [_as_loss(v, "each epoch") for v in first]
+        raise Incorrect(_("trainer(2) returned {count} losses, expected one per epoch (2)").format(count=len(first)))
+    losses = [_as_loss(v, _("each epoch")) for v in first]
     if not all(math.isclose(a, b, rel_tol=1e-4, abs_tol=1e-6) for a, b in zip(losses, expected[:2])):
-        raise Incorrect(f"trainer(2) returned {[round(v, 5) for v in losses]}, expected "
-                        f"{[round(v, 5) for v in expected[:2]]} (the mean loss of each epoch)")
+        raise Incorrect(_("trainer(2) returned {got}, expected {expected} (the mean loss of each epoch)").format(
+            got=[round(v, 5) for v in losses], expected=[round(v, 5) for v in expected[:2]]))
     second = call(trainer, 1, name="trainer")
     if not isinstance(second, list) or len(second) != 1:
-        raise Incorrect(f"trainer(1) should return a list with one loss, got {describe(second)}")
+        raise Incorrect(_("trainer(1) should return a list with one loss, got {value}").format(value=describe(second)))
     if not math.isclose(_as_loss(second[0], "trainer(1)"), expected[2], rel_tol=1e-4, abs_tol=1e-6):
-        raise Incorrect("the third epoch's loss is wrong: does a second call continue training the same model?")
+        raise Incorrect(_("the third epoch's loss is wrong: does a second call continue training the same model?"))
     history = getattr(trainer, "history", None)
     if not isinstance(history, list) or len(history) != 3:
-        raise Incorrect(f"after trainer(2) and trainer(1), trainer.history should hold all 3 losses, got "
-                        f"{describe(history)}: likely mistake: history is reset inside __call__")
-    return "history = trainer(epochs): a training run as a callable object"
+        raise Incorrect(_("after trainer(2) and trainer(1), trainer.history should hold all 3 losses, got "
+                          "{value}: likely mistake: history is reset inside __call__").format(value=describe(history)))
+    return _("history = trainer(epochs): a training run as a callable object")
 
 
 _MINI_HEAD = ("class MiniTrainer:\n"
@@ -186,13 +190,13 @@ _MINI_SOLUTION = _MINI_HEAD + (
     "        return losses\n")
 
 register(Exercise(
-    id="07.2", title="A Trainer you call", answer="MiniTrainer",
+    id="07.2", title=N_("A Trainer you call"), answer="MiniTrainer",
     blank=_MINI_HEAD + "    def __call__(self, epochs):\n        raise NotImplementedError  # your code here\n",
     solution=_MINI_SOLUTION,
     setup="import torch\n" + _EPOCH_SOLUTION,
     checker=_check_mini_trainer,
-    hints=["Reuse your train_one_epoch from exercise 07.1, once per epoch.",
-           "Return the list of this call's losses, and also append them to self.history."],
+    hints=[N_("Reuse your train_one_epoch from exercise 07.1, once per epoch."),
+           N_("Return the list of this call's losses, and also append them to self.history.")],
     mistakes=[
         Mistake(_MINI_HEAD.replace("        self.history = []\n", "") + (
             "    def __call__(self, epochs):\n        self.history = []\n        for _ in range(epochs):\n"
@@ -216,22 +220,25 @@ class _Crash(Exception):
 
 def _check_save_atomically(save_atomically):
     if not callable(save_atomically):
-        raise Incorrect(f"save_atomically should be a function, got {describe(save_atomically)}")
+        raise Incorrect(_("save_atomically should be a function, got {value}").format(value=describe(save_atomically)))
     real_save = torch.save
     with tempfile.TemporaryDirectory() as folder:
         path = Path(folder) / "ckpt.pt"
         call(save_atomically, {"w": torch.arange(3.0)}, path, name="save_atomically", check_mutation=False)
         if not path.exists():
-            raise Incorrect("nothing was written at `path`")
+            raise Incorrect(_("nothing was written at `path`"))
         try:
             loaded = torch.load(path, weights_only=True)
         except Exception as exc:
-            raise Incorrect(f"the file at `path` cannot be loaded with torch.load: {type(exc).__name__}") from None
+            raise Incorrect(_("the file at `path` cannot be loaded with torch.load: {error}").format(
+                error=type(exc).__name__)) from None
         if not (isinstance(loaded, dict) and torch.equal(loaded.get("w", torch.zeros(0)), torch.arange(3.0))):
-            raise Incorrect(f"torch.load(path) gave {describe(loaded)}, not the object that was saved")
+            raise Incorrect(_("torch.load(path) gave {value}, not the object that was saved").format(
+                value=describe(loaded)))
         if sorted(os.listdir(folder)) != ["ckpt.pt"]:
-            raise Incorrect(f"the folder holds {sorted(os.listdir(folder))} after a successful save: likely "
-                            "mistake: the temporary file is copied instead of renamed (os.replace)")
+            raise Incorrect(_("the folder holds {files} after a successful save: likely "
+                              "mistake: the temporary file is copied instead of renamed (os.replace)").format(
+                                  files=sorted(os.listdir(folder))))
 
         def crashing_save(obj, f, *args, **kwargs):  # the disk fills up half-way through the write
             if hasattr(f, "write"):
@@ -246,22 +253,23 @@ def _check_save_atomically(save_atomically):
             except _Crash:
                 pass
             except Exception as exc:
-                raise Incorrect(f"when the write fails, save_atomically raised {type(exc).__name__}: {exc}; let "
-                                "the original error through") from None
+                raise Incorrect(_("when the write fails, save_atomically raised {error}: {message}; let "
+                                  "the original error through").format(error=type(exc).__name__,
+                                                                       message=exc)) from None
         try:
             after = torch.load(path, weights_only=True)
         except Exception:
-            raise Incorrect("a write that failed half-way destroyed the previous checkpoint: likely mistake: "
-                            "writing straight to `path`; write a temporary file in the same folder, then "
-                            "os.replace it onto `path`") from None
+            raise Incorrect(_("a write that failed half-way destroyed the previous checkpoint: likely mistake: "
+                              "writing straight to `path`; write a temporary file in the same folder, then "
+                              "os.replace it onto `path`")) from None
         if not torch.equal(after["w"], torch.arange(3.0)):
-            raise Incorrect("after a failed write the checkpoint holds something else than the previous save")
+            raise Incorrect(_("after a failed write the checkpoint holds something else than the previous save"))
         left = sorted(set(os.listdir(folder)) - {"ckpt.pt"})
         if left:
-            raise Incorrect(f"a failed write left {left} behind: likely mistake: the temporary file is not "
-                            "removed when saving fails (try/except, then os.remove)")
+            raise Incorrect(_("a failed write left {files} behind: likely mistake: the temporary file is not "
+                              "removed when saving fails (try/except, then os.remove)").format(files=left))
     assert torch.save is real_save
-    return "a crash mid-write leaves the previous checkpoint intact and no litter behind"
+    return _("a crash mid-write leaves the previous checkpoint intact and no litter behind")
 
 
 _SAVE_HEAD = "def save_atomically(obj, path):\n"
@@ -277,14 +285,14 @@ _SAVE_SOLUTION = _SAVE_HEAD + (
     "        raise\n")
 
 register(Exercise(
-    id="07.3", title="A checkpoint that is never half-written", answer="save_atomically",
+    id="07.3", title=N_("A checkpoint that is never half-written"), answer="save_atomically",
     blank=_SAVE_HEAD + "    raise NotImplementedError  # your code here\n",
     solution=_SAVE_SOLUTION,
     setup="import os\nimport shutil\nfrom pathlib import Path\n\nimport torch\n",
     checker=_check_save_atomically,
-    hints=["Write to a temporary file next to `path` (same folder, so the rename stays on one disk).",
-           "`os.replace(tmp, path)` swaps the new file in atomically; if saving fails, delete the temporary file "
-           "and re-raise."],
+    hints=[N_("Write to a temporary file next to `path` (same folder, so the rename stays on one disk)."),
+           N_("`os.replace(tmp, path)` swaps the new file in atomically; if saving fails, delete the temporary file "
+              "and re-raise.")],
     mistakes=[
         Mistake(_SAVE_HEAD + "    torch.save(obj, path)\n", "writing straight to `path`"),
         Mistake(_SAVE_HEAD + "    tmp = Path(str(path) + '.tmp')\n    torch.save(obj, tmp)\n    os.replace(tmp, path)\n",
@@ -330,42 +338,49 @@ def _check_project(answer):
     from ..memory import SimulatedGPU, format_bytes
 
     if isinstance(answer, tuple) and len(answer) == 2:
-        raise Incorrect("expected (model, optimizer, batch_size, gpu), got a pair: the checker needs your optimizer "
-                        "and batch size too, to measure a step with the optimizer's state in place itself")
+        raise Incorrect(_("expected (model, optimizer, batch_size, gpu), got a pair: the checker needs your optimizer "
+                          "and batch size too, to measure a step with the optimizer's state in place itself"))
     if not (isinstance(answer, tuple) and len(answer) == 4):
-        raise Incorrect(f"expected the tuple (model, optimizer, batch_size, gpu), got {describe(answer)}")
+        raise Incorrect(_("expected the tuple (model, optimizer, batch_size, gpu), got {value}").format(
+            value=describe(answer)))
     model, optimizer, batch_size, gpu = answer
     if not isinstance(model, nn.Module):
-        raise Incorrect(f"the first item should be your trained nn.Module, got {describe(model)}")
+        raise Incorrect(_("the first item should be your trained nn.Module, got {value}").format(value=describe(model)))
     if not isinstance(optimizer, torch.optim.Optimizer):
-        raise Incorrect(f"the second item should be the optimizer that trained the model, got {describe(optimizer)}")
+        raise Incorrect(_("the second item should be the optimizer that trained the model, got {value}").format(
+            value=describe(optimizer)))
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise Incorrect(f"the third item should be the batch size you trained with (an int), got {describe(batch_size)}")
+        raise Incorrect(_("the third item should be the batch size you trained with (an int), got {value}").format(
+            value=describe(batch_size)))
     if not isinstance(gpu, SimulatedGPU):
-        raise Incorrect(f"the fourth item should be the SimulatedGPU you measured the training steps in, got "
-                        f"{describe(gpu)}")
+        raise Incorrect(_("the fourth item should be the SimulatedGPU you measured the training steps in, got "
+                          "{value}").format(value=describe(gpu)))
     model_params = {id(p) for p in model.parameters()}
     opt_params = {id(p) for group in optimizer.param_groups for p in group["params"]}
     if not model_params or not opt_params <= model_params:
-        raise Incorrect("the optimizer does not hold this model's parameters: likely mistake: it was built for "
-                        "another instance (a second CifarCNN()); build the optimizer from model.parameters()")
+        raise Incorrect(_("the optimizer does not hold this model's parameters: likely mistake: it was built for "
+                          "another instance (a second CifarCNN()); build the optimizer from model.parameters()"))
     if gpu.budget > PROJECT_BUDGET:
-        raise Incorrect(f"your SimulatedGPU has a budget of {format_bytes(gpu.budget)}; the project allows "
-                        f"{format_bytes(PROJECT_BUDGET)}: likely mistake: a bigger budget than allowed")
+        raise Incorrect(_("your SimulatedGPU has a budget of {budget}; the project allows "
+                          "{allowed}: likely mistake: a bigger budget than allowed").format(
+                              budget=format_bytes(gpu.budget), allowed=format_bytes(PROJECT_BUDGET)))
     peak = gpu.max_memory_allocated()
     if peak == 0:
-        raise Incorrect("the SimulatedGPU recorded no memory use: run your training steps inside `with gpu:`")
+        raise Incorrect(_("the SimulatedGPU recorded no memory use: run your training steps inside `with gpu:`"))
     first, steady = _steady_state_peak(model, optimizer, batch_size)
     if steady > PROJECT_BUDGET:
-        raise Incorrect(f"at batch {batch_size}, a step with the optimizer's state in place needs "
-                        f"{format_bytes(steady)}, more than the {format_bytes(PROJECT_BUDGET)} budget (the first "
-                        f"step needs {format_bytes(first)}): likely mistake: only the first step was measured, before "
-                        "the optimizer's state existed; with Adam the second step is the larger. Use a smaller batch")
+        raise Incorrect(_("at batch {batch_size}, a step with the optimizer's state in place needs "
+                          "{steady}, more than the {budget} budget (the first "
+                          "step needs {first}): likely mistake: only the first step was measured, before "
+                          "the optimizer's state existed; with Adam the second step is the larger. Use a smaller "
+                          "batch").format(batch_size=batch_size, steady=format_bytes(steady),
+                                          budget=format_bytes(PROJECT_BUDGET), first=format_bytes(first)))
     if peak < 0.97 * steady:
-        raise Incorrect(f"your SimulatedGPU recorded a peak of {format_bytes(peak)}, but a step at batch {batch_size} "
-                        f"with the optimizer's state in place needs {format_bytes(steady)}: likely mistake: only the "
-                        "first step was measured, before the optimizer's state existed (or a smaller batch than the "
-                        "one you trained with). Measure at least two steps inside the SimulatedGPU")
+        raise Incorrect(_("your SimulatedGPU recorded a peak of {peak}, but a step at batch {batch_size} "
+                          "with the optimizer's state in place needs {steady}: likely mistake: only the "
+                          "first step was measured, before the optimizer's state existed (or a smaller batch than the "
+                          "one you trained with). Measure at least two steps inside the SimulatedGPU").format(
+                              peak=format_bytes(peak), batch_size=batch_size, steady=format_bytes(steady)))
     test = synthetic_cifar(2000, seed=123)
     device = next(model.parameters()).device
     was_training = model.training
@@ -374,17 +389,20 @@ def _check_project(answer):
         try:
             logits = model(test.images.to(device))
         except Exception as exc:
-            raise Incorrect(f"running your model on 3x32x32 images raised {type(exc).__name__}: {exc}") from None
+            raise Incorrect(_("running your model on 3x32x32 images raised {error}: {message}").format(
+                error=type(exc).__name__, message=exc)) from None
     model.train(was_training)
     if not isinstance(logits, torch.Tensor) or logits.shape != (2000, 10):
-        raise Incorrect(f"the model should output 10 logits per image, got {describe(logits)}")
+        raise Incorrect(_("the model should output 10 logits per image, got {value}").format(value=describe(logits)))
     accuracy = (logits.argmax(1).cpu() == test.labels).float().mean().item()
     if accuracy < PROJECT_ACCURACY:
-        raise Incorrect(f"held-out accuracy {accuracy:.1%} is below the target {PROJECT_ACCURACY:.0%}: likely "
-                        "mistake: too few epochs or samples, or a learning rate far off (Adam at 1e-3 is a good "
-                        "start)")
-    return (f"held-out accuracy {accuracy:.1%}; a steady-state step at batch {batch_size} needs "
-            f"{format_bytes(steady)} (the first {format_bytes(first)}) of the {format_bytes(gpu.budget)} budget")
+        raise Incorrect(_("held-out accuracy {accuracy:.1%} is below the target {target:.0%}: likely "
+                          "mistake: too few epochs or samples, or a learning rate far off (Adam at 1e-3 is a good "
+                          "start)").format(accuracy=accuracy, target=PROJECT_ACCURACY))
+    return _("held-out accuracy {accuracy:.1%}; a steady-state step at batch {batch_size} needs "
+             "{steady} (the first {first}) of the {budget} budget").format(
+                 accuracy=accuracy, batch_size=batch_size, steady=format_bytes(steady), first=format_bytes(first),
+                 budget=format_bytes(gpu.budget))
 
 
 _PROJECT_SETUP = ("import torch\nfrom torch import nn\n\nfrom course_utils import Trainer\n"
@@ -408,7 +426,7 @@ def _measured(batch_size: int, steps: int, budget: str = "24MiB") -> str:
 
 
 register(Exercise(
-    id="07.4", title="Project: accuracy within a memory budget", answer="project",
+    id="07.4", title=N_("Project: accuracy within a memory budget"), answer="project",
     blank="project = ...",
     solution=(
         _PROJECT_HEAD
@@ -427,12 +445,12 @@ register(Exercise(
     setup=_PROJECT_SETUP,
     checker=_check_project,
     timeout=60,
-    hints=["Train `CifarCNN` with Adam, and run two training steps inside `with SimulatedGPU(\"24MiB\", "
-           "model=model, optimizer=optimizer) as gpu:`. The first step creates Adam's state, so the second is the "
-           "larger, and every later step needs the same as the second: if two steps fit, the run fits.",
-           "4000 synthetic images, batches of 32 and 2 epochs of Adam at lr 1e-3 usually reach the target; "
-           "if not, train another epoch (call the trainer again). If the second step does not fit the budget, use a "
-           "smaller batch."],
+    hints=[N_("Train `CifarCNN` with Adam, and run two training steps inside `with SimulatedGPU(\"24MiB\", "
+              "model=model, optimizer=optimizer) as gpu:`. The first step creates Adam's state, so the second is the "
+              "larger, and every later step needs the same as the second: if two steps fit, the run fits."),
+           N_("4000 synthetic images, batches of 32 and 2 epochs of Adam at lr 1e-3 usually reach the target; "
+              "if not, train another epoch (call the trainer again). If the second step does not fit the budget, use "
+              "a smaller batch.")],
     mistakes=[
         Mistake(_PROJECT_HEAD + _measured(40, 1) + "project = (model, optimizer, batch_size, gpu)\n",
                 "with Adam the second step is the larger"),

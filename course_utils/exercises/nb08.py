@@ -16,6 +16,7 @@ from collections import Counter
 import torch
 from torch import nn
 
+from ..i18n import N_, _
 from .core import Exercise, Incorrect, Mistake, call, describe, register
 
 # --- 08.1 shard a dataset by rank --------------------------------------------------------------------
@@ -33,17 +34,20 @@ def reference_shards(n: int, world_size: int) -> list[list[int]]:
 def _as_index_list(value, label: str) -> list[int]:
     if isinstance(value, torch.Tensor):
         if value.dim() != 1 or value.dtype.is_floating_point or value.dtype == torch.bool:
-            raise Incorrect(f"{label} returned {describe(value)}; return a list of int sample indices")
+            raise Incorrect(_("{label} returned {value}; return a list of int sample indices").format(
+                label=label, value=describe(value)))
         return value.tolist()
     if not isinstance(value, (list, tuple, range)):
-        raise Incorrect(f"{label} returned {describe(value)}; return a list of int sample indices")
+        raise Incorrect(_("{label} returned {value}; return a list of int sample indices").format(
+            label=label, value=describe(value)))
     out = []
     for v in value:
         if isinstance(v, bool) or not isinstance(v, int):
             if isinstance(v, torch.Tensor) and v.dim() == 0 and not v.dtype.is_floating_point:
                 v = int(v)
             else:
-                raise Incorrect(f"{label} returned a list holding {describe(v)}; every item should be an int index")
+                raise Incorrect(_("{label} returned a list holding {value}; every item should be an int index").format(
+                    label=label, value=describe(v)))
         out.append(int(v))
     return out
 
@@ -54,7 +58,7 @@ _SHARD_CASES = [(100, 8), (10, 4), (8, 2), (7, 3), (3, 4), (1, 2), (9, 2)]  # th
 
 def _check_shard_indices(shard_indices):
     if not callable(shard_indices):
-        raise Incorrect(f"shard_indices should be a function, got {describe(shard_indices)}")
+        raise Incorrect(_("shard_indices should be a function, got {value}").format(value=describe(shard_indices)))
     like_sampler = True
     for n, world in _SHARD_CASES:
         shards = []
@@ -63,48 +67,57 @@ def _check_shard_indices(shard_indices):
             first = _as_index_list(call(shard_indices, n, rank, world, name="shard_indices"), label)
             again = _as_index_list(call(shard_indices, n, rank, world, name="shard_indices"), label)
             if first != again:
-                raise Incorrect(f"{label} returned {first[:6]}... then {again[:6]}...: the result differs between "
-                                "two calls. Every rank must compute its share on its own and agree with the others "
-                                "without talking to them: no unseeded randomness")
+                raise Incorrect(_("{label} returned {first}... then {again}...: the result differs between "
+                                  "two calls. Every rank must compute its share on its own and agree with the others "
+                                  "without talking to them: no unseeded randomness").format(
+                                      label=label, first=first[:6], again=again[:6]))
             bad = [i for i in first if not 0 <= i < n]
             if bad:
-                raise Incorrect(f"{label} returned index {bad[0]}, outside range({n})")
+                raise Incorrect(_("{label} returned index {index}, outside range({n})").format(
+                    label=label, index=bad[0], n=n))
             shards.append(first)
         expected = reference_shards(n, world)
         per_rank = math.ceil(n / world)
         counts = [len(s) for s in shards]
-        where = f"for n={n} samples on {world} ranks"
+        where = _("for n={n} samples on {world} ranks").format(n=n, world=world)
         if all(sorted(s) == list(range(n)) for s in shards) and n > 1:
-            raise Incorrect(f"{where}, every rank gets all {n} samples: each rank would train on the whole dataset, "
-                            "so one step sees the data world_size times; give each rank its own share")
+            raise Incorrect(_("{where}, every rank gets all {n} samples: each rank would train on the whole "
+                              "dataset, so one step sees the data world_size times; give each rank its own share").format(
+                                  where=where, n=n))
         if len(set(counts)) > 1:
-            raise Incorrect(f"{where}, the ranks get {counts} samples: unequal counts. With batches, one rank then "
-                            "runs more steps than another, and its last backward waits for an all-reduce the other "
-                            "ranks never join: a hang. Pad the list to a multiple of world_size by wrapping around "
-                            "(the first samples again), as DistributedSampler does")
+            raise Incorrect(_("{where}, the ranks get {counts} samples: unequal counts. With batches, one rank "
+                              "then runs more steps than another, and its last backward waits for an all-reduce the "
+                              "other ranks never join: a hang. Pad the list to a multiple of world_size by wrapping "
+                              "around (the first samples again), as DistributedSampler does").format(
+                                  where=where, counts=counts))
         covered = set().union(*map(set, shards))
         missing = sorted(set(range(n)) - covered)
         if missing and counts[0] < per_rank:
-            raise Incorrect(f"{where}, every rank gets {counts[0]} samples and samples {missing[:5]} are on no rank: "
-                            f"the code drops the remainder. Each rank should get ceil(n / world_size) = {per_rank}, the "
-                            "list padded by wrapping around")
+            raise Incorrect(_("{where}, every rank gets {count} samples and samples {missing} are on no rank: "
+                              "the code drops the remainder. Each rank should get ceil(n / world_size) = {per_rank}, "
+                              "the list padded by wrapping around").format(
+                                  where=where, count=counts[0], missing=missing[:5], per_rank=per_rank))
         if counts[0] != per_rank:
-            raise Incorrect(f"{where}, every rank gets {counts[0]} samples, expected ceil(n / world_size) = {per_rank}")
+            raise Incorrect(_("{where}, every rank gets {count} samples, expected ceil(n / world_size) = "
+                              "{per_rank}").format(where=where, count=counts[0], per_rank=per_rank))
         if missing:
             twice = sorted(i for i, c in Counter(sum(shards, [])).items() if c > 1)
-            raise Incorrect(f"{where}, samples {missing[:5]} are on no rank and {twice[:5]} on more than one: did each "
-                            "rank shuffle with its own seed? Ranks never exchange their indices, so any shuffle must be "
-                            "the same seed on every rank (the same permutation), and each rank then takes its part")
+            raise Incorrect(_("{where}, samples {missing} are on no rank and {twice} on more than one: did each "
+                              "rank shuffle with its own seed? Ranks never exchange their indices, so any shuffle must "
+                              "be the same seed on every rank (the same permutation), and each rank then takes its "
+                              "part").format(where=where, missing=missing[:5], twice=twice[:5]))
         if Counter(sum(shards, [])) != Counter(sum(expected, [])):
             extra = sorted((Counter(sum(shards, [])) - Counter(range(n))).elements())
             want = sorted((Counter(sum(expected, [])) - Counter(range(n))).elements())
-            raise Incorrect(f"{where}, the padding repeats samples {extra}; pad by wrapping around, with the first "
-                            f"samples again ({want}), as DistributedSampler does")
+            raise Incorrect(_("{where}, the padding repeats samples {extra}; pad by wrapping around, with the "
+                              "first samples again ({want}), as DistributedSampler does").format(
+                                  where=where, extra=extra, want=want))
         like_sampler = like_sampler and shards == expected
     if like_sampler:
-        return "every sample on a rank, the same count everywhere: the split DistributedSampler(shuffle=False) makes"
-    return ("every sample on a rank, the same count everywhere (in blocks; DistributedSampler interleaves: "
-            "rank r takes every world_size-th index from r)")
+        return _("every sample on a rank, the same count everywhere: the split DistributedSampler(shuffle=False) "
+                 "makes")
+    return _("every sample on a rank, the same count everywhere (in blocks; DistributedSampler interleaves: "
+             "rank r takes every world_size-th index from r)")
 
 
 _SHARD_HEAD = "def shard_indices(n, rank, world_size):\n"
@@ -117,16 +130,16 @@ _SHARD_SOLUTION = _SHARD_HEAD + (
     "    return indices[rank:total:world_size]\n")
 
 register(Exercise(
-    id="08.1", title="Shard a dataset by rank", answer="shard_indices",
+    id="08.1", title=N_("Shard a dataset by rank"), answer="shard_indices",
     blank=_SHARD_HEAD + "    raise NotImplementedError  # your code here\n",
     solution=_SHARD_SOLUTION,
     setup="import math\n\nimport torch\n",
     checker=_check_shard_indices,
-    hints=["Every rank gets ceil(n / world_size) indices; the total, world_size times that, can exceed n.",
-           "Make range(n) longer by appending its first samples again until it has `total` items, then take "
-           "`indices[rank:total:world_size]`.",
-           "With n < world_size (3 samples, 4 ranks) one wrap is not enough: keep appending until the list is long "
-           "enough."],
+    hints=[N_("Every rank gets ceil(n / world_size) indices; the total, world_size times that, can exceed n."),
+           N_("Make range(n) longer by appending its first samples again until it has `total` items, then take "
+              "`indices[rank:total:world_size]`."),
+           N_("With n < world_size (3 samples, 4 ranks) one wrap is not enough: keep appending until the list is "
+              "long enough.")],
     mistakes=[
         Mistake(_SHARD_HEAD + "    return list(range(rank, n, world_size))\n", "a hang"),
         Mistake(_SHARD_HEAD + "    per = n // world_size\n    return list(range(rank * per, (rank + 1) * per))\n",
@@ -168,46 +181,54 @@ def _lr_with(target: float, step: int, base_lr: float, warmup: int) -> float:
 
 def _check_scaled_lr(scaled_lr):
     if not callable(scaled_lr):
-        raise Incorrect(f"scaled_lr should be a function, got {describe(scaled_lr)}")
+        raise Incorrect(_("scaled_lr should be a function, got {value}").format(value=describe(scaled_lr)))
     for base_lr, base_batch, world, batch, acc, warmup in _LR_CASES:
-        config = (f"base_lr={base_lr:g} for batch {base_batch}, {world} processes x batch {batch} x accumulate {acc}, "
-                  f"warmup_steps={warmup}")
+        config = _("base_lr={base_lr:g} for batch {base_batch}, {world} processes x batch {batch} x accumulate "
+                   "{acc}, warmup_steps={warmup}").format(base_lr=base_lr, base_batch=base_batch, world=world,
+                                                          batch=batch, acc=acc, warmup=warmup)
         glob = world * batch * acc
         target = base_lr * glob / base_batch
         # plausible wrong targets, each reached after the right warm-up
         wrong_targets = [
-            (base_lr * world * batch / base_batch, f"accumulate is left out of the global batch; it is {world} x "
-                                                   f"{batch} x {acc} = {glob} samples per optimizer step"),
-            (base_lr * batch * acc / base_batch, f"world_size is left out: each optimizer step averages the gradients "
-                                                 f"of all {world} processes, so the global batch is {glob}"),
-            (base_lr * world, f"the rate is multiplied by the number of processes; the linear rule multiplies by "
-                              f"global batch / base batch = {glob} / {base_batch}"),
-            (base_lr * math.sqrt(glob / base_batch), "that is square-root scaling, another heuristic; this exercise "
-                                                     "asks for the linear scaling rule: base_lr x global batch / base "
-                                                     "batch"),
+            (base_lr * world * batch / base_batch,
+             _("accumulate is left out of the global batch; it is {world} x {batch} x {acc} = {glob} samples per "
+               "optimizer step").format(world=world, batch=batch, acc=acc, glob=glob)),
+            (base_lr * batch * acc / base_batch,
+             _("world_size is left out: each optimizer step averages the gradients of all {world} processes, so the "
+               "global batch is {glob}").format(world=world, glob=glob)),
+            (base_lr * world,
+             _("the rate is multiplied by the number of processes; the linear rule multiplies by global batch / base "
+               "batch = {glob} / {base_batch}").format(glob=glob, base_batch=base_batch)),
+            (base_lr * math.sqrt(glob / base_batch),
+             _("that is square-root scaling, another heuristic; this exercise asks for the linear scaling rule: "
+               "base_lr x global batch / base batch")),
         ]
         for step in sorted({0, 1, warmup // 2, max(warmup - 1, 0), warmup, warmup + 7}):
             got = call(scaled_lr, step, base_lr, base_batch, world, batch, acc, warmup, name="scaled_lr")
             if isinstance(got, torch.Tensor) and got.numel() == 1:
                 got = got.item()
             if isinstance(got, bool) or not isinstance(got, (int, float)):
-                raise Incorrect(f"scaled_lr returned {describe(got)}; return the learning rate as a float")
+                raise Incorrect(_("scaled_lr returned {value}; return the learning rate as a float").format(
+                    value=describe(got)))
             want = reference_lr(step, base_lr, base_batch, world, batch, acc, warmup)
             if math.isclose(got, want, rel_tol=1e-9, abs_tol=1e-15):
                 continue
-            at = f"at step {step} ({config}) you return {got:g}, expected {want:g}"
+            at = _("at step {step} ({config}) you return {got:g}, expected {want:g}").format(
+                step=step, config=config, got=got, want=want)
             for wrong, why in wrong_targets:
                 if math.isclose(got, _lr_with(wrong, step, base_lr, warmup), rel_tol=1e-9):
-                    raise Incorrect(f"{at}: likely mistake: {why}")
+                    raise Incorrect(_("{at}: likely mistake: {why}").format(at=at, why=why))
             if step < warmup and math.isclose(got, target, rel_tol=1e-9):
-                raise Incorrect(f"{at}: likely mistake: no warm-up; during the first {warmup} steps the rate should "
-                                "climb linearly from base_lr to the scaled rate")
+                raise Incorrect(_("{at}: likely mistake: no warm-up; during the first {warmup} steps the rate "
+                                  "should climb linearly from base_lr to the scaled rate").format(at=at, warmup=warmup))
             if step < warmup and math.isclose(got, target * step / warmup, rel_tol=1e-9, abs_tol=1e-15):
-                raise Incorrect(f"{at}: likely mistake: the warm-up starts at 0; Goyal et al. start it at base_lr (the "
-                                "rate that works for the base batch) and climb linearly to the scaled rate")
-            raise Incorrect(f"{at} (global batch {glob}: the rate climbs linearly from base_lr at step 0 to "
-                            f"{target:g} at step {warmup}, and stays there)")
-    return "global batch = processes x batch x accumulate; the linear rule, reached after a linear warm-up"
+                raise Incorrect(_("{at}: likely mistake: the warm-up starts at 0; Goyal et al. start it at base_lr "
+                                  "(the rate that works for the base batch) and climb linearly to the scaled "
+                                  "rate").format(at=at))
+            raise Incorrect(_("{at} (global batch {glob}: the rate climbs linearly from base_lr at step 0 to "
+                              "{target:g} at step {warmup}, and stays there)").format(
+                                  at=at, glob=glob, target=target, warmup=warmup))
+    return _("global batch = processes x batch x accumulate; the linear rule, reached after a linear warm-up")
 
 
 _LR_HEAD = "def scaled_lr(step, base_lr, base_batch, world_size, batch_per_process, accumulate, warmup_steps):\n"
@@ -222,14 +243,14 @@ _LR_NO_WARMUP = ("    if step < warmup_steps:\n"
                  "    return target\n")
 
 register(Exercise(
-    id="08.2", title="The learning rate of a configuration", answer="scaled_lr",
+    id="08.2", title=N_("The learning rate of a configuration"), answer="scaled_lr",
     blank=_LR_HEAD + "    raise NotImplementedError  # your code here\n",
     solution=_LR_SOLUTION,
     setup="import math\n",
     checker=_check_scaled_lr,
-    hints=["The global batch of one optimizer step is world_size x batch_per_process x accumulate.",
-           "The linear rule: target = base_lr x global_batch / base_batch. Before step warmup_steps, go linearly "
-           "from base_lr (step 0) to target (step warmup_steps)."],
+    hints=[N_("The global batch of one optimizer step is world_size x batch_per_process x accumulate."),
+           N_("The linear rule: target = base_lr x global_batch / base_batch. Before step warmup_steps, go linearly "
+              "from base_lr (step 0) to target (step warmup_steps).")],
     mistakes=[
         Mistake(_LR_HEAD + "    target = base_lr * world_size * batch_per_process / base_batch\n" + _LR_NO_WARMUP,
                 "accumulate is left out"),
@@ -252,49 +273,53 @@ register(Exercise(
 # Verified on 2 real processes by course_utils.examples.ddp_demos (mode "diverge"), in tests/test_nb08_demos.py.
 DIVERGING = frozenset("ACG")
 _WHY = {
-    "A": "A steps the scheduler on rank 0 only: after the first epoch the ranks train with different learning "
-         "rates, so the same averaged gradient moves their weights by different amounts",
-    "B": "B is harmless: DDP broadcasts rank 0's parameters and buffers when it is constructed, so the per-rank seed "
-         "before building the model is overwritten",
-    "C": "C diverges: without DDP nothing broadcasts the initial weights, and identical averaged updates keep the "
-         "different starting points apart",
-    "D": "D does not make the replicas diverge: without set_epoch the sampler draws the same order in every epoch, "
-         "alike on every rank, so the weights stay equal; it is a different bug: the data is never reshuffled",
-    "E": "E is harmless: clip_grad_norm_ after backward clips the averaged gradients, the same on every rank",
-    "F": "F is harmless: different dropout masks on each rank only change the local gradients, which DDP averages "
-         "before every rank applies the same update",
-    "G": "G diverges: rank 0 clips its gradients and rank 1 does not, so their updates differ",
+    "A": N_("A steps the scheduler on rank 0 only: after the first epoch the ranks train with different learning "
+            "rates, so the same averaged gradient moves their weights by different amounts"),
+    "B": N_("B is harmless: DDP broadcasts rank 0's parameters and buffers when it is constructed, so the per-rank seed "
+            "before building the model is overwritten"),
+    "C": N_("C diverges: without DDP nothing broadcasts the initial weights, and identical averaged updates keep the "
+            "different starting points apart"),
+    "D": N_("D does not make the replicas diverge: without set_epoch the sampler draws the same order in every epoch, "
+            "alike on every rank, so the weights stay equal; it is a different bug: the data is never reshuffled"),
+    "E": N_("E is harmless: clip_grad_norm_ after backward clips the averaged gradients, the same on every rank"),
+    "F": N_("F is harmless: different dropout masks on each rank only change the local gradients, which DDP averages "
+            "before every rank applies the same update"),
+    "G": N_("G diverges: rank 0 clips its gradients and rank 1 does not, so their updates differ"),
 }
 
 
 def _check_diverging(answer):
     if isinstance(answer, str):
-        raise Incorrect(f"expected a set of letters such as {{\"A\", \"B\"}}, got the string {answer!r}")
+        raise Incorrect(_("expected a set of letters such as {example}, got the string {answer!r}").format(
+            example='{"A", "B"}', answer=answer))
     if not isinstance(answer, (set, frozenset, list, tuple)):
-        raise Incorrect(f"expected a set of letters such as {{\"A\", \"B\"}}, got {describe(answer)}")
+        raise Incorrect(_("expected a set of letters such as {example}, got {value}").format(
+            example='{"A", "B"}', value=describe(answer)))
     letters = set()
     for item in answer:
         if not isinstance(item, str) or item.strip().upper() not in _WHY:
-            raise Incorrect(f"{item!r} is not one of the snippets A to G")
+            raise Incorrect(_("{item!r} is not one of the snippets A to G").format(item=item))
         letters.add(item.strip().upper())
     wrong = sorted(letters - DIVERGING)
     if wrong:
-        raise Incorrect("; ".join(_WHY[w] for w in wrong))
+        raise Incorrect(_("; ").join(_(_WHY[w]) for w in wrong))
     missing = sorted(DIVERGING - letters)
     if missing:
-        raise Incorrect("one is missing: " + "; ".join(_WHY[m] for m in missing))
-    return ("A, C and G: anything that makes one rank's update differ (a rate, a clip, an optimizer step) or its "
-            "starting point differ without DDP's broadcast; 2 real processes drift apart on exactly these")
+        raise Incorrect(_("one is missing: {why}").format(why=_("; ").join(_(_WHY[m]) for m in missing)))
+    return _("A, C and G: anything that makes one rank's update differ (a rate, a clip, an optimizer step) or its "
+             "starting point differ without DDP's broadcast; 2 real processes drift apart on exactly these")
 
 
 register(Exercise(
-    id="08.3", title="Which snippets make the replicas drift apart", answer="diverging",
+    id="08.3", title=N_("Which snippets make the replicas drift apart"), answer="diverging",
     blank="diverging = ...  # a set of letters, e.g. {\"A\", \"B\"}",
     solution="diverging = {\"A\", \"C\", \"G\"}",
     checker=_check_diverging,
-    hints=["The replicas stay equal as long as every rank starts from the same weights and applies the same update. "
-           "DDP makes the gradients equal (averaged) after backward; what happens after that is up to each rank.",
-           "A per-rank seed matters only if nothing copies rank 0's weights to the others: DDP's constructor does."],
+    hints=[N_("The replicas stay equal as long as every rank starts from the same weights and applies the same "
+              "update. DDP makes the gradients equal (averaged) after backward; what happens after that is up to each "
+              "rank."),
+           N_("A per-rank seed matters only if nothing copies rank 0's weights to the others: DDP's constructor "
+              "does.")],
     mistakes=[
         Mistake("diverging = {\"A\", \"G\"}", "C diverges"),
         Mistake("diverging = {\"A\", \"B\", \"C\", \"G\"}", "B is harmless"),
@@ -317,7 +342,8 @@ def one_process_group():
 
     if dist.is_initialized():
         if dist.get_world_size() != 1:
-            raise Incorrect("this check runs on a process group of one process; run it outside a distributed launch")
+            raise Incorrect(_("this check runs on a process group of one process; run it outside a distributed "
+                              "launch"))
         yield
         return
     with tempfile.TemporaryDirectory() as folder:
@@ -388,7 +414,8 @@ def _check_accumulate_step(accumulate_step):
     from torch.nn.parallel import DistributedDataParallel
 
     if not callable(accumulate_step):
-        raise Incorrect(f"accumulate_step should be a function, got {describe(accumulate_step)}")
+        raise Incorrect(_("accumulate_step should be a function, got {value}").format(
+            value=describe(accumulate_step)))
     micro = _micro_batches()
     oracles = _oracles(micro)
     with one_process_group():
@@ -417,35 +444,40 @@ def _check_accumulate_step(accumulate_step):
             del ddp, counting_allreduce
     k = len(micro)
     if len(steps) != 1:
-        raise Incorrect(f"optimizer.step() ran {len(steps)} times for {k} micro-batches: likely mistake: "
-                        + ("a step per micro-batch; accumulate the gradients of all of them, then step once"
-                           if len(steps) > 1 else "no optimizer step at the end"))
+        raise Incorrect(_("optimizer.step() ran {count} times for {k} micro-batches: likely mistake: {why}").format(
+            count=len(steps), k=k,
+            why=_("a step per micro-batch; accumulate the gradients of all of them, then step once")
+            if len(steps) > 1 else _("no optimizer step at the end")))
     if not allreduces:
-        raise Incorrect("no gradient all-reduce ran: the last backward ran inside no_sync too (or not through "
-                        "ddp_model), so the gradients were never averaged over ranks. Run the last micro-batch's "
-                        "forward and backward through ddp_model outside no_sync()")
+        raise Incorrect(_("no gradient all-reduce ran: the last backward ran inside no_sync too (or not through "
+                          "ddp_model), so the gradients were never averaged over ranks. Run the last micro-batch's "
+                          "forward and backward through ddp_model outside no_sync()"))
     if len(allreduces) >= k:
-        raise Incorrect(f"the gradients were all-reduced after every micro-batch ({len(allreduces)} bucket "
-                        f"all-reduces for {k} micro-batches): likely mistake: no no_sync(), or only the backward "
-                        "inside it (DDP decides at the forward). Run the forward and backward of all but the last "
-                        "micro-batch inside `with ddp_model.no_sync():`, so only the last backward communicates")
+        raise Incorrect(_("the gradients were all-reduced after every micro-batch ({count} bucket all-reduces "
+                          "for {k} micro-batches): likely mistake: no no_sync(), or only the backward inside it (DDP "
+                          "decides at the forward). Run the forward and backward of all but the last micro-batch "
+                          "inside `with ddp_model.no_sync():`, so only the last backward communicates").format(
+                              count=len(allreduces), k=k))
     if _close(weights, oracles["full"]):
-        return (f"{len(allreduces)} all-reduce for {k} micro-batches, and the update of one batch of {sum(_SIZES)}: "
-                "no_sync for all but the last, each loss weighted by its share of the samples")
+        return _("{count} all-reduce for {k} micro-batches, and the update of one batch of {total}: no_sync for "
+                 "all but the last, each loss weighted by its share of the samples").format(
+                     count=len(allreduces), k=k, total=sum(_SIZES))
     for name, feedback in [
-            ("stale", "the gradients left from before were kept: likely mistake: no optimizer.zero_grad() before the "
-                      "first backward"),
-            ("last_only", "the update is that of the last micro-batch alone: likely mistake: zero_grad() inside the "
-                          "loop, which throws away the gradients accumulated so far"),
-            ("unweighted", "the update is the sum of the micro-batches' mean-loss gradients: likely mistake: the "
-                           "losses are not weighted by share; weight each by len(targets) / total samples"),
-            ("one_over_k", f"each micro-batch's mean loss is weighted by 1/k: with micro-batches of different sizes "
-                           f"({', '.join(map(str, _SIZES))}) weight each by len(targets) / total samples")]:
+            ("stale", _("the gradients left from before were kept: likely mistake: no optimizer.zero_grad() "
+                        "before the first backward")),
+            ("last_only", _("the update is that of the last micro-batch alone: likely mistake: zero_grad() inside "
+                            "the loop, which throws away the gradients accumulated so far")),
+            ("unweighted", _("the update is the sum of the micro-batches' mean-loss gradients: likely mistake: the "
+                             "losses are not weighted by share; weight each by len(targets) / total samples")),
+            ("one_over_k", _("each micro-batch's mean loss is weighted by 1/k: with micro-batches of different sizes "
+                             "({sizes}) weight each by len(targets) / total samples").format(
+                                 sizes=", ".join(map(str, _SIZES))))]:
         if _close(weights, oracles[name]):
             raise Incorrect(feedback)
-    raise Incorrect(f"the weights after your step differ from one step on the {sum(_SIZES)} samples together "
-                    "(largest difference "
-                    f"{max((p - q).abs().max().item() for p, q in zip(weights, oracles['full'])):.2e})")
+    raise Incorrect(_("the weights after your step differ from one step on the {total} samples together "
+                      "(largest difference {difference:.2e})").format(
+                          total=sum(_SIZES),
+                          difference=max((p - q).abs().max().item() for p, q in zip(weights, oracles["full"]))))
 
 
 _ACC_HEAD = "def accumulate_step(ddp_model, optimizer, loss_fn, micro_batches):\n"
@@ -461,17 +493,18 @@ _ACC_SOLUTION = _ACC_HEAD + (
     "    optimizer.step()\n")
 
 register(Exercise(
-    id="08.4", title="Accumulate without an all-reduce per micro-batch", answer="accumulate_step",
+    id="08.4", title=N_("Accumulate without an all-reduce per micro-batch"), answer="accumulate_step",
     blank=_ACC_HEAD + "    raise NotImplementedError  # your code here\n",
     solution=_ACC_SOLUTION,
     setup="import torch\n",
     checker=_check_accumulate_step,
     timeout=20,
-    hints=["One optimizer step for the whole list: zero_grad first, a backward per micro-batch, step at the end.",
-           "`with ddp_model.no_sync():` around the forward and backward of every micro-batch except the last; the "
-           "last backward, outside it, all-reduces the accumulated gradients.",
-           "The loss_fn returns a mean over its micro-batch: multiply each by len(y) / total so the sum of the "
-           "gradients is the mean over all samples."],
+    hints=[N_("One optimizer step for the whole list: zero_grad first, a backward per micro-batch, step at the "
+              "end."),
+           N_("`with ddp_model.no_sync():` around the forward and backward of every micro-batch except the last; the "
+              "last backward, outside it, all-reduces the accumulated gradients."),
+           N_("The loss_fn returns a mean over its micro-batch: multiply each by len(y) / total so the sum of the "
+              "gradients is the mean over all samples.")],
     mistakes=[
         Mistake(_ACC_HEAD + "    optimizer.zero_grad()\n    total = sum(len(y) for _, y in micro_batches)\n"
                 "    for x, y in micro_batches:\n        (loss_fn(ddp_model(x), y) * len(y) / total).backward()\n"

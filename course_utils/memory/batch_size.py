@@ -9,12 +9,13 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
+from ..i18n import _
 from .limit import limit_gpu_memory
 from .oom import free_memory, is_oom_error
 from ..amp import MixedPrecision
 from ..step import TrainStep
 from .simulated import SimulatedGPU, active_simulated_gpu, optimizer_params
-from .sizes import BytesLike, format_bytes
+from .sizes import BytesLike, format_bytes, pad
 
 
 # --- finding the largest batch that fits -------------------------------------------------------
@@ -36,12 +37,15 @@ class BatchSizeSearch:
     trials: list[Trial] = field(default_factory=list)
 
     def __str__(self) -> str:
-        lines = [f"batch size {self.batch_size} (largest that fit: {self.largest_ok}"
-                 + (f", smallest that failed: {self.smallest_failed}" if self.smallest_failed else "")
-                 + (f", safety margin {self.safety_margin:.0%}" if self.safety_margin else "") + ")"]
+        more = _(", smallest that failed: {size}").format(size=self.smallest_failed) if self.smallest_failed else ""
+        if self.safety_margin:
+            more += _(", safety margin {margin:.0%}").format(margin=self.safety_margin)
+        lines = [_("batch size {size} (largest that fit: {largest}{more})").format(
+            size=self.batch_size, largest=self.largest_ok, more=more)]
         for t in self.trials:
             peak = format_bytes(t.peak_bytes) if t.peak_bytes is not None else "?"
-            lines.append(f"  {t.size:>7}  {'fits' if t.ok else 'OOM ':<5} peak {peak}")
+            lines.append(_("  {size:>7}  {verdict} peak {peak}").format(
+                size=t.size, verdict=pad(_("fits") if t.ok else "OOM", 5), peak=peak))
         return "\n".join(lines)
 
 
@@ -63,7 +67,7 @@ def _batch_maker(source, device: torch.device) -> Callable[[int], tuple]:
         return make
     if hasattr(source, "__getitem__") and hasattr(source, "__len__"):
         if len(source) == 0:
-            raise ValueError("the dataset is empty")
+            raise ValueError(_("the dataset is empty"))
         def make(n: int):
             items = [source[i % len(source)] for i in range(n)]
             xs, ys = zip(*items)
@@ -199,8 +203,8 @@ def find_max_batch_size(make_batch_or_dataset, model: nn.Module, optimizer: torc
     ok = [t.size for t in trials if t.ok]
     failed = [t.size for t in trials if not t.ok]
     if not ok:
-        raise RuntimeError("even a batch of 1 sample does not fit in memory: the model, its gradients and "
-                           "optimizer state plus one sample's activations are too big for this budget")
+        raise RuntimeError(_("even a batch of 1 sample does not fit in memory: the model, its gradients and "
+                             "optimizer state plus one sample's activations are too big for this budget"))
     largest = max(ok)
     bigger_failed = [s for s in failed if s > largest]
     chosen = max(1, int(largest * (1.0 - safety_margin)))
@@ -242,7 +246,7 @@ def _trial(step: TrainStep, make, n, steps, sim, dev) -> tuple[bool, int | None]
     with sim.measure_peak() if sim is not None else nullcontext() as reading:
         try:
             inputs, targets = make(n)
-            for _ in range(steps):
+            for _i in range(steps):
                 step(inputs, targets)
             del inputs, targets
         except Exception as exc:

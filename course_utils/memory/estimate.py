@@ -8,9 +8,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..i18n import N_, _
 from .oom import first_line
 from .simulated import AllocationTracker, StorageLedger, optimizer_params
-from .sizes import CUDA_BLOCK_BYTES, format_bytes
+from .sizes import CUDA_BLOCK_BYTES, format_bytes, pad
 
 
 # --- predicting memory ---------------------------------------------------------------------
@@ -37,18 +38,18 @@ class MemoryEstimate:
     notes: list[str] = field(default_factory=list)
 
     def __str__(self) -> str:
-        rows = [("parameters (and buffers)", self.parameters, ""),
-                ("gradients", self.gradients, ""),
-                ("optimizer state", self.optimizer_state, self.state_source),
-                ("activations", self.activations, "at the forward/backward peak (fake tensors)"),
-                ("optimizer step temporaries", self.step_temporaries, ""),
-                ("batch (inputs + targets)", self.batch, ""),
-                ("cuBLAS workspace", self.library_workspace, ""),
-                ("predicted peak", self.total, "= parameters + batch + state + workspace"
-                 " + max(fwd/bwd peak, gradients + step temporaries)")]
-        lines = [f"Training memory estimate ({self.optimizer_kind}):"]
-        lines += [f"  {name:<28}{format_bytes(n):>12}  {note}".rstrip() for name, n, note in rows]
-        lines += [f"  note: {n}" for n in self.notes]
+        rows = [(_("parameters (and buffers)"), self.parameters, ""),
+                (_("gradients"), self.gradients, ""),
+                (_("optimizer state"), self.optimizer_state, self.state_source),
+                (_("activations"), self.activations, _("at the forward/backward peak (fake tensors)")),
+                (_("optimizer step temporaries"), self.step_temporaries, ""),
+                (_("batch (inputs + targets)"), self.batch, ""),
+                (_("cuBLAS workspace"), self.library_workspace, ""),
+                (_("predicted peak"), self.total, _("= parameters + batch + state + workspace"
+                                                    " + max(fwd/bwd peak, gradients + step temporaries)"))]
+        lines = [_("Training memory estimate ({optimizer}):").format(optimizer=_(self.optimizer_kind))]
+        lines += [f"  {pad(name, 28)}{format_bytes(n):>12}  {note}".rstrip() for name, n, note in rows]
+        lines += [_("  note: {note}").format(note=n) for n in self.notes]
         return "\n".join(lines)
 
     __repr__ = __str__
@@ -58,7 +59,7 @@ def _optimizer_kind(optimizer: torch.optim.Optimizer) -> str:
     name = type(optimizer).__name__
     if isinstance(optimizer, torch.optim.SGD):
         moms = {g.get("momentum", 0) for g in optimizer.param_groups}
-        return "SGD with momentum" if any(m for m in moms) else "SGD"
+        return N_("SGD with momentum") if any(m for m in moms) else "SGD"
     return name
 
 
@@ -72,7 +73,7 @@ def _analytic_state(optimizer: torch.optim.Optimizer, count: Callable[[int], int
         for g in optimizer.param_groups:
             if g.get("momentum", 0):
                 total += sum(nbytes(p) for p in g["params"] if p.requires_grad)
-        return total, ("SGD with momentum: 1 buffer per parameter" if total else "SGD: no state")
+        return total, (_("SGD with momentum: 1 buffer per parameter") if total else _("SGD: no state"))
     if type(optimizer) in (torch.optim.Adam, torch.optim.AdamW):
         for g in optimizer.param_groups:
             per = 3 if g.get("amsgrad") else 2
@@ -83,7 +84,8 @@ def _analytic_state(optimizer: torch.optim.Optimizer, count: Callable[[int], int
                 total += per * nbytes(p)
                 if on_device or p.device.type == "cpu":  # `step` is a scalar tensor, on the CPU unless
                     total += count(4)                    # capturable/fused
-        return total, f"{type(optimizer).__name__}: 2 buffers per parameter (3 with amsgrad)"
+        return total, _("{optimizer}: 2 buffers per parameter (3 with amsgrad)").format(
+            optimizer=type(optimizer).__name__)
     return None
 
 
@@ -124,26 +126,26 @@ def estimate_training_memory(model: nn.Module, optimizer: torch.optim.Optimizer,
     try:
         fake = _fake_training_run(model, optimizer, inputs, targets, loss_fn or _sum_loss, autocast_dtype, ledger)
     except Exception as exc:
-        raise RuntimeError(f"could not run a training step of {type(model).__name__} on fake tensors "
-                           f"with this example batch: {first_line(exc)}") from exc
-    kind = _optimizer_kind(optimizer)
+        raise RuntimeError(_("could not run a training step of {model} on fake tensors with this example batch: "
+                             "{error}").format(model=type(model).__name__, error=first_line(exc))) from exc
+    kind = _optimizer_kind(optimizer)  # stored in English (a name); shown translated
     analytic = _analytic_state(optimizer, count)
     if analytic is not None:
         state, source = analytic
     elif "step_error" not in fake:
-        state, source = fake["state"], f"{kind}: measured by a step on fake tensors"
+        state, source = fake["state"], _("{optimizer}: measured by a step on fake tensors").format(optimizer=_(kind))
     else:
-        state, source = 0, f"{kind}: unknown"
-        notes.append(f"{kind}'s step could not run on fake tensors ({fake['step_error']}): its state and "
-                     "temporaries are not included")
+        state, source = 0, _("{optimizer}: unknown").format(optimizer=_(kind))
+        notes.append(_("{optimizer}'s step could not run on fake tensors ({error}): its state and temporaries are "
+                       "not included").format(optimizer=_(kind), error=fake["step_error"]))
     grads = sum(count(p.numel() * p.element_size()) for p in model.parameters() if p.requires_grad)
     workspace = 0
     first = next(iter(model.parameters()), None)
     if first is not None and first.device.type == "cuda":
         get_size = getattr(torch._C, "_cuda_getCublasWorkspaceSize", None)  # private; may move
         workspace = int(get_size()) if callable(get_size) else 0
-        notes.append("on CUDA also: cuDNN convolution workspaces (chosen per algorithm) and allocator "
-                     "fragmentation, not included")
+        notes.append(_("on CUDA also: cuDNN convolution workspaces (chosen per algorithm) and allocator "
+                       "fragmentation, not included"))
     fb_peak, step_tmp = fake["fb_peak"], fake["step_tmp"]
     total = fake["params"] + fake["batch"] + state + workspace + max(fb_peak, grads + step_tmp)
     return MemoryEstimate(parameters=fake["params"], gradients=grads, optimizer_state=state,
@@ -166,7 +168,7 @@ def _fake_optimizer(optimizer: torch.optim.Optimizer, fake_of: dict[int, torch.T
         fg = {k: v for k, v in g.items() if k != "params"}
         fg["params"] = [fake_of[id(p)] for p in g["params"]]
         if "foreach" in g and g.get("foreach") is None and not g.get("fused"):
-            _, foreach = _default_to_fused_or_foreach([p for p in g["params"]], bool(g.get("differentiable")))
+            _fused, foreach = _default_to_fused_or_foreach([p for p in g["params"]], bool(g.get("differentiable")))
             fg["foreach"] = foreach
         groups.append(fg)
     try:

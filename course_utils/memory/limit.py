@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import torch
 
+from ..i18n import _
 from .oom import free_memory
 from .sizes import BytesLike, format_bytes, parse_bytes
 
@@ -29,18 +30,18 @@ class limit_gpu_memory:  # noqa: N801 - used like a function: `with limit_gpu_me
 
     def __enter__(self) -> int:
         if not torch.cuda.is_available():  # asks the driver; does not initialise CUDA
-            raise RuntimeError(
-                f"limit_gpu_memory({format_bytes(self.budget)}) needs a CUDA GPU, and "
-                "torch.cuda.is_available() is False in this process. On a CPU, use "
-                "SimulatedGPU(budget, model=..., optimizer=...) to run the same demonstration.")
+            raise RuntimeError(_(
+                "limit_gpu_memory({budget}) needs a CUDA GPU, and torch.cuda.is_available() is False in this "
+                "process. On a CPU, use SimulatedGPU(budget, model=..., optimizer=...) to run the same "
+                "demonstration.").format(budget=format_bytes(self.budget)))
         dev = torch.device("cuda", torch.cuda.current_device()) if self.device is None else torch.device(self.device)
         if dev.type != "cuda":
-            raise ValueError(f"limit_gpu_memory limits a CUDA device, got {dev}")
+            raise ValueError(_("limit_gpu_memory limits a CUDA device, got {device}").format(device=dev))
         index = dev.index if dev.index is not None else torch.cuda.current_device()
         total = torch.cuda.get_device_properties(index).total_memory
         if self.budget > total:
-            raise ValueError(f"budget {format_bytes(self.budget)} is more than cuda:{index} has "
-                             f"({format_bytes(total)})")
+            raise ValueError(_("budget {budget} is more than cuda:{index} has ({total})").format(
+                budget=format_bytes(self.budget), index=index, total=format_bytes(total)))
         self._index = index
         get_fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)  # newer than torch 2.6
         self._previous = float(get_fraction(index)) if get_fraction is not None else 1.0

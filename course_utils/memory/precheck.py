@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ..i18n import N_, _
 from ..step import batch_len
 from .estimate import MemoryEstimate, estimate_training_memory
 from .simulated import active_simulated_gpu
@@ -29,7 +30,7 @@ class FitCheck:
     """What one training step needs beyond what is already allocated, and what is free for it."""
     needed: int           # the predicted peak minus the parameters and the batch, which already exist
     free: int
-    where: str            # "the simulated GPU", "cuda:0"
+    where: str            # "the simulated GPU", "cuda:0" (in English; shown translated)
     estimate: MemoryEstimate
     batch_size: int
 
@@ -39,10 +40,12 @@ class FitCheck:
 
     def __str__(self) -> str:
         e = self.estimate
-        return (f"one step on batches of {self.batch_size} needs about {format_bytes(self.needed)} more than "
-                f"the model and the batch (predicted peak {format_bytes(e.total)}: gradients "
-                f"{format_bytes(e.gradients)}, optimizer state {format_bytes(e.optimizer_state)}, activations "
-                f"{format_bytes(e.activations)}), and {self.where} has {format_bytes(self.free)} free")
+        return _("one step on batches of {batch_size} needs about {needed} more than the model and the batch "
+                 "(predicted peak {peak}: gradients {gradients}, optimizer state {state}, activations "
+                 "{activations}), and {where} has {free} free").format(
+            batch_size=self.batch_size, needed=format_bytes(self.needed), peak=format_bytes(e.total),
+            gradients=format_bytes(e.gradients), state=format_bytes(e.optimizer_state),
+            activations=format_bytes(e.activations), where=_(self.where), free=format_bytes(self.free))
 
 
 def free_for_training(device: torch.device) -> tuple[int, str] | None:
@@ -50,7 +53,7 @@ def free_for_training(device: torch.device) -> tuple[int, str] | None:
     unused part of PyTorch's cache; None where nothing is known (a CPU without a simulated budget)."""
     sim = active_simulated_gpu()
     if sim is not None:
-        return max(sim.budget - sim.memory_allocated(), 0), "the simulated GPU"
+        return max(sim.budget - sim.memory_allocated(), 0), N_("the simulated GPU")
     if device.type == "cuda":
         free, _total = torch.cuda.mem_get_info(device)
         cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
@@ -79,5 +82,5 @@ def check_fits(model: nn.Module, optimizer: torch.optim.Optimizer, batch, loss_f
 def warn_if_too_big(check: FitCheck | None, remedy: str) -> None:
     """A `MemoryWarning` with the numbers when `check` says the step will not fit."""
     if check is not None and not check.fits:
-        warnings.warn(f"Memory check before the first step: {check}. It will likely run out of memory: {remedy}",
-                      MemoryWarning, stacklevel=3)
+        warnings.warn(_("Memory check before the first step: {check}. It will likely run out of memory: "
+                        "{remedy}").format(check=check, remedy=remedy), MemoryWarning, stacklevel=3)

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from ..amp import MixedPrecision
+from ..i18n import _
 from ..step import Batch, TrainStep, batch_len, optimizer_params
 from .oom import first_line, free_memory, is_oom_error
 from .sizes import format_bytes
@@ -91,14 +92,15 @@ class ResilientStep:
     def __call__(self, inputs, targets) -> torch.Tensor:
         n = batch_len(inputs)
         if batch_len(targets) != n:
-            raise ValueError(f"inputs have {n} samples but targets have {batch_len(targets)}")
+            raise ValueError(_("inputs have {inputs} samples but targets have {targets}").format(
+                inputs=n, targets=batch_len(targets)))
         return self.group([(inputs, targets)])[0]
 
     def group(self, batches: list[Batch]) -> list[torch.Tensor]:
         """One optimizer step over `batches`, in chunks small enough to fit; each batch's mean loss."""
-        largest = max(batch_len(y) for _, y in batches)
+        largest = max(batch_len(y) for _x, y in batches)
         if largest == 0:
-            raise ValueError("empty batch")
+            raise ValueError(_("empty batch"))
         first_step = not self.optimizer.state  # Adam & co. create their state on their first step
         buffers = list(self.model.buffers())
         while True:
@@ -114,12 +116,12 @@ class ResilientStep:
                 if self.step.in_optimizer_step:
                     raise ResilientStepOutOfMemoryError(self._step_oom_message(exc, first_step)) from None
                 if hasattr(self.step.model, "no_sync"):  # DistributedDataParallel: the ranks must agree
-                    raise ResilientStepOutOfMemoryError(
+                    raise ResilientStepOutOfMemoryError(_(
                         "out of memory in a distributed run: every rank must split its batch the same way, and "
                         "the ranks cannot agree on a new split in the middle of a step (the others are already "
                         "waiting to exchange gradients). Stopping every rank instead of hanging: start again "
                         "with a smaller per-rank batch_size and accumulate=k for the same global batch. "
-                        "Error: " + first_line(exc)) from None
+                        "Error: {error}").format(error=first_line(exc))) from None
                 failure = first_line(exc)  # keep text only: the exception holds the tensors
             if failure is None:
                 self._clean_step(chunk)
@@ -138,10 +140,11 @@ class ResilientStep:
             free_memory()
             current = chunk if chunk is not None else largest
             if current == 1:
-                raise ResilientStepOutOfMemoryError(
+                raise ResilientStepOutOfMemoryError(_(
                     "out of memory even with micro-batches of 1 sample: the model, its gradients and "
                     "optimizer state plus one sample's activations do not fit. Try mixed precision, "
-                    "activation checkpointing, a smaller model or a bigger GPU. Last error: " + failure)
+                    "activation checkpointing, a smaller model or a bigger GPU. Last error: {error}").format(
+                    error=failure))
             self.micro_batch_size = (current + 1) // 2
             self.clean_steps = 0
 
@@ -156,19 +159,24 @@ class ResilientStep:
         opt = self.optimizer
         name = type(opt).__name__
         params = sum(p.numel() * p.element_size() for p in optimizer_params(opt))
-        cause = (f"out of memory in the optimizer step ({name}). Smaller chunks cannot help: they only shrink "
-                 "activations, not the parameters, gradients and optimizer state the step works on. ")
+        # Notebook 05 looks for "first step", "foreach=False" and "Original error" in this message: the Chinese
+        # catalog keeps those words (in parentheses) for it.
+        cause = _("out of memory in the optimizer step ({optimizer}). Smaller chunks cannot help: they only shrink "
+                  "activations, not the parameters, gradients and optimizer state the step works on. ").format(
+            optimizer=name)
         if first_step:
-            cause += (f"This was the optimizer's first step, when {name} creates its state (Adam and AdamW: two "
-                      f"tensors the size of the parameters, 2 x {format_bytes(params)} here; SGD with momentum: "
-                      "one). Fix: leave room for that state (course_utils.memory.estimate_training_memory counts "
-                      "it), use an optimizer with less state, or pass foreach=False to the optimizer (the "
-                      "default foreach implementation allocates temporaries for all parameters at once). ")
+            cause += _("This was the optimizer's first step, when {optimizer} creates its state (Adam and AdamW: two "
+                       "tensors the size of the parameters, 2 x {size} here; SGD with momentum: one). Fix: leave "
+                       "room for that state (course_utils.memory.estimate_training_memory counts it), use an "
+                       "optimizer with less state, or pass foreach=False to the optimizer (the default foreach "
+                       "implementation allocates temporaries for all parameters at once). ").format(
+                optimizer=name, size=format_bytes(params))
         else:
-            cause += ("The optimizer's state already existed, so its temporaries did not fit: pass foreach=False "
-                      "to the optimizer (the foreach implementation allocates temporaries for all parameters at "
-                      "once), or free memory elsewhere. ")
-        return cause + "Some parameters may already be updated. Original error: " + first_line(exc)
+            cause += _("The optimizer's state already existed, so its temporaries did not fit: pass foreach=False "
+                       "to the optimizer (the foreach implementation allocates temporaries for all parameters at "
+                       "once), or free memory elsewhere. ")
+        return cause + _("Some parameters may already be updated. Original error: {error}").format(
+            error=first_line(exc))
 
     def state_dict(self) -> dict:
         return {"micro_batch_size": self.micro_batch_size, "clean_steps": self.clean_steps,

@@ -18,8 +18,9 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from ..i18n import _
 from ..step import optimizer_params
-from .sizes import CUDA_BLOCK_BYTES, BytesLike, _round_up, format_bytes, parse_bytes
+from .sizes import CUDA_BLOCK_BYTES, BytesLike, _round_up, format_bytes, pad, parse_bytes
 
 __all__ = [
     "AllocationTracker", "MemoryBreakdown", "PeakReading", "SimulatedGPU", "SimulatedOutOfMemoryError",
@@ -253,10 +254,10 @@ class MemoryBreakdown:
         return self.parameters + self.gradients + self.optimizer_state + self.activations
 
     def __str__(self) -> str:
-        rows = [("parameters (and buffers)", self.parameters), ("gradients", self.gradients),
-                ("optimizer state", self.optimizer_state),
-                ("activations and temporaries", self.activations), ("total", self.total)]
-        return "\n".join(f"{name:<28}{format_bytes(n):>12}" for name, n in rows)
+        rows = [(_("parameters (and buffers)"), self.parameters), (_("gradients"), self.gradients),
+                (_("optimizer state"), self.optimizer_state),
+                (_("activations and temporaries"), self.activations), (_("total"), self.total)]
+        return "\n".join(f"{pad(name, 28)}{format_bytes(n):>12}" for name, n in rows)
 
 
 def _state_tensors(optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
@@ -360,7 +361,7 @@ class SimulatedGPU:
     # context
     def __enter__(self) -> "SimulatedGPU":
         if self._mode is not None:
-            raise RuntimeError("this SimulatedGPU is already active; nest a new SimulatedGPU instead")
+            raise RuntimeError(_("this SimulatedGPU is already active; nest a new SimulatedGPU instead"))
         self._track_objects(self._modules + self._optimizers, remember=False)
         self._mode = AllocationTracker(self._ledger, check=self._check, precheck_resize=self._check)
         self._mode.__enter__()
@@ -471,7 +472,7 @@ class SimulatedGPU:
             if st is None or st._cdata in ledger.live or st.device.type == "meta" or st.nbytes() == 0:
                 continue
             new[st._cdata] = (st, ledger.count(st.nbytes()))
-        grown = sum(n for _, n in new.values())
+        grown = sum(n for _st, n in new.values())
         if ledger.allocated + grown > self.budget:
             self._check(grown, ledger.allocated)
         for key, (st, n) in new.items():
@@ -483,16 +484,19 @@ class SimulatedGPU:
             return
         self.oom_count += 1
         # Worded as CUDA's caching allocator words it (c10/cuda/CUDACachingAllocator.cpp), so code and people that
-        # read CUDA's message read this one; a simulated GPU has no other processes and no cache.
+        # read CUDA's message read this one; a simulated GPU has no other processes and no cache. That part stays in
+        # English in every language (it is PyTorch's text, and notebooks parse it); only the remark after it is
+        # translated, and it keeps its English start " (Simulated by", which notebook 05 looks for.
         raise SimulatedOutOfMemoryError(
             f"CUDA out of memory. Tried to allocate {format_bytes(grown)}. GPU 0 has a total capacity of "
             f"{format_bytes(self.budget)} of which {format_bytes(max(self.budget - before, 0))} is free. "
             f"Of the allocated memory {format_bytes(before)} is allocated by PyTorch, and 0 bytes is reserved by "
-            "PyTorch but unallocated. (Simulated by course_utils.memory.SimulatedGPU on the CPU: no real GPU was "
-            "involved.)",
+            "PyTorch but unallocated. "
+            + _("(Simulated by course_utils.memory.SimulatedGPU on the CPU: no real GPU was involved.)"),
             requested=grown, allocated=before, budget=self.budget)
 
     def __repr__(self) -> str:
-        state = "active" if self._mode is not None else "inactive"
-        return (f"SimulatedGPU({format_bytes(self.budget)}, {state}: {format_bytes(self.memory_allocated())} "
-                f"allocated, peak {format_bytes(self.max_memory_allocated())})")
+        template = (_("SimulatedGPU({budget}, active: {allocated} allocated, peak {peak})") if self._mode is not None
+                    else _("SimulatedGPU({budget}, inactive: {allocated} allocated, peak {peak})"))
+        return template.format(budget=format_bytes(self.budget), allocated=format_bytes(self.memory_allocated()),
+                               peak=format_bytes(self.max_memory_allocated()))

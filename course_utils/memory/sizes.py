@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import math
 import re
+import unicodedata
 from typing import Union
 
 BytesLike = Union[int, float, str]
@@ -58,6 +59,13 @@ def format_bytes(n: float) -> str:
         if abs(n) < 1024:
             return f"{n:.2f} {unit}"
     return f"{n / 1024:.2f} TiB"
+
+
+def pad(text: str, width: int) -> str:
+    """`text` left-aligned in `width` columns, a wide (Chinese) character counting as two: `f"{text:<width}"` for
+    any language."""
+    used = sum(2 if unicodedata.east_asian_width(c) in "WF" else 1 for c in text)
+    return text + " " * max(width - used, 0)
 
 
 def _round_up(n: int, block: int) -> int:

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import html
 
+from ..i18n import _
+
 
 def set_changed(widget, **traits) -> bool:
     """Set the traits whose value differs, in one message. Returns whether anything was sent."""
@@ -28,7 +30,7 @@ def set_visible(widget, visible: bool) -> None:
 def fmt_bytes(n: float | None) -> str:
     """Three significant digits (1.02 GiB, 23.5 GiB, 512 MiB): small changes stay visible."""
     if n is None:
-        return "n/a"
+        return _("n/a")
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(n) < 1000 or unit == "TiB":
             if unit == "B":

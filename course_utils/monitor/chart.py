@@ -18,6 +18,14 @@ import io
 import math
 from typing import Sequence
 
+from ..i18n import _, plot_label_language
+
+
+def plot_text(message: str) -> str:
+    """`message` for drawing into a chart image: translated when matplotlib can draw the language, else
+    English (without a CJK font, Chinese would come out as empty boxes). Mark the literal with `N_()`."""
+    return message if plot_label_language() == "en" else _(message)
+
 
 def _finite(values) -> list[float]:
     return [v for v in values if v is not None and math.isfinite(v)]
@@ -84,7 +92,7 @@ class LineChart:
                xlim: tuple[float, float] | None = None) -> bytes:
         """Draw each line against `x` (None/NaN values become gaps). `xlim` fixes x for this call."""
         if len(ys) != len(self._lines):
-            raise ValueError(f"expected {len(self._lines)} series, got {len(ys)}")
+            raise ValueError(_("expected {expected} series, got {got}").format(expected=len(self._lines), got=len(ys)))
         visible = []
         values = []
         for line, y in zip(self._lines, ys):

@@ -15,6 +15,8 @@ import threading
 import time
 from typing import Callable, Protocol
 
+from ..i18n import _
+
 
 class _Stoppable(Protocol):
     def stop(self) -> None: ...
@@ -55,7 +57,7 @@ class Loop:
     def __init__(self, tick: Callable[[], None], interval: float, name: str,
                  on_error: Callable[[BaseException], None] | None = None):
         if not interval > 0:
-            raise ValueError(f"interval must be a positive number of seconds, got {interval!r}")
+            raise ValueError(_("interval must be a positive number of seconds, got {interval!r}").format(interval=interval))
         self._tick = tick
         self.interval = float(interval)
         self.name = name

@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 from typing import Any, Callable
 
+from ..i18n import _
 from ..nvml import NvmlDevice, device_name, list_devices, load, normalize_uuid
 from ..nvml import init_once as nvml_init
 
@@ -66,13 +67,15 @@ class NvmlSource:
             for d in devices:
                 if normalize_uuid(d.uuid) == key:
                     return d, "uuid"
-            self.reason = f"PyTorch's cuda:{wanted} (UUID {torch_uuid}) is not among the GPUs NVML lists"
+            self.reason = _("PyTorch's cuda:{index} (UUID {uuid}) is not among the GPUs NVML lists").format(
+                index=wanted, uuid=torch_uuid)
             return None, None
         cvd = self._environ.get("CUDA_VISIBLE_DEVICES")
         if cvd is not None:
             entries = [e.strip() for e in cvd.split(",") if e.strip()]
             if wanted >= len(entries):
-                self.reason = f"CUDA_VISIBLE_DEVICES={cvd!r} makes no cuda:{wanted} visible"
+                self.reason = _("CUDA_VISIBLE_DEVICES={value!r} makes no cuda:{index} visible").format(value=cvd,
+                                                                                                      index=wanted)
                 return None, None
             entry = entries[wanted].lower()
             if entry.startswith(("gpu-", "mig-")):  # CUDA accepts unique UUID prefixes too
@@ -90,10 +93,10 @@ class NvmlSource:
               and wanted < len(physical)):
             return physical[wanted], "pci-order"  # NVML enumerates in PCI bus order too
         if not devices:
-            self.reason = "NVML lists no GPUs"
+            self.reason = _("NVML lists no GPUs")
         else:
-            self.reason = (f"{len(devices)} GPUs/MIG slices here; which one this kernel uses is known once "
-                           "PyTorch has initialised CUDA")
+            self.reason = _("{count} GPUs/MIG slices here; which one this kernel uses is known once "
+                            "PyTorch has initialised CUDA").format(count=len(devices))
         return None, None
 
     # --- readings ------------------------------------------------------------------------
@@ -120,7 +123,7 @@ class NvmlSource:
         nv = self.nvml
         error = nvml_init(nv)
         if error is not None:
-            self.reason = f"NVML is not available ({error})"
+            self.reason = _("NVML is not available ({error})").format(error=error)
             return None
         device, match = self._resolve()
         if device is None:

@@ -22,13 +22,14 @@ from collections import deque
 
 import torch
 
+from ..i18n import N_, _
 from . import loop
-from .chart import LineChart
+from .chart import LineChart, plot_text
 from ._widgets import Meter, display_widget, escape, fmt_bytes, level_style, set_changed, set_visible
 from .snapshot import Sampler, Snapshot
 
-_SERIES = [("GPU util", "tab:green"), ("GPU memory", "tab:purple"), ("PyTorch reserved", "tab:orange"),
-           ("CPU", "tab:blue"), ("RAM", "tab:gray")]
+_SERIES = [(N_("GPU util"), "tab:green"), (N_("GPU memory"), "tab:purple"), (N_("PyTorch reserved"), "tab:orange"),
+           (N_("CPU"), "tab:blue"), (N_("RAM"), "tab:gray")]  # drawn as plot_text(label)
 
 
 def _pct(part, whole) -> float | None:
@@ -57,9 +58,10 @@ class DeviceMonitor:
     def __init__(self, interval: float = 1.0, chart_interval: float = 2.0, history: float = 120.0,
                  device=None, sampler: Sampler | None = None):
         if not (isinstance(chart_interval, (int, float)) and chart_interval > 0):
-            raise ValueError(f"chart_interval must be a positive number of seconds, got {chart_interval!r}")
+            raise ValueError(_("chart_interval must be a positive number of seconds, got {value!r}").format(
+                value=chart_interval))
         if not (isinstance(history, (int, float)) and history > 0):
-            raise ValueError(f"history must be a positive number of seconds, got {history!r}")
+            raise ValueError(_("history must be a positive number of seconds, got {value!r}").format(value=history))
         self._auto_device = device is None and sampler is None
         self.sampler = sampler if sampler is not None else Sampler(device=device)
         self._loop = loop.Loop(self._tick, interval, name="course_utils DeviceMonitor", on_error=self._failed)
@@ -71,23 +73,24 @@ class DeviceMonitor:
         self._last_chart = float("-inf")
         # Made here, in the caller's thread: importing matplotlib the first time may log "building the
         # font cache", which from the monitor thread would land in whatever cell is running.
-        self._chart = LineChart(_SERIES, xlabel="seconds ago", ylabel="%", ylim=(0, 105))  # 100 % stays visible
+        self._chart = LineChart([(plot_text(label), color) for label, color in _SERIES],
+                                xlabel=plot_text(N_("seconds ago")), ylabel="%", ylim=(0, 105))  # 100 % stays visible
         self._build()
 
     # --- widgets -------------------------------------------------------------------------
     def _build(self) -> None:
         import ipywidgets as w
 
-        self._status = w.Label("not started")
-        self._gpu_title = w.HTML("<b>whole GPU (NVML)</b>")
-        self._gpu = {k: Meter(n) for k, n in (("util", "utilization"), ("mem", "memory used"),
-                                              ("temp", "temperature"), ("power", "power"))}
-        self._torch_title = w.HTML("<b>this kernel (PyTorch)</b>")
-        self._torch = {k: Meter(n) for k, n in (("alloc", "allocated"), ("reserved", "reserved"),
-                                                ("peak", "peak allocated"))}
-        self._host_title = w.HTML("<b>host CPU and RAM</b>")
-        self._host = {k: Meter(n) for k, n in (("cpu", "CPU busy"), ("ram", "RAM used"),
-                                               ("rss", "this kernel's RAM"))}
+        self._status = w.Label(_("not started"))
+        self._gpu_title = w.HTML(_("<b>whole GPU (NVML)</b>"))
+        self._gpu = {k: Meter(n) for k, n in (("util", _("utilization")), ("mem", _("memory used")),
+                                              ("temp", _("temperature")), ("power", _("power")))}
+        self._torch_title = w.HTML(_("<b>this kernel (PyTorch)</b>"))
+        self._torch = {k: Meter(n) for k, n in (("alloc", _("allocated")), ("reserved", _("reserved")),
+                                                ("peak", _("peak allocated")))}
+        self._host_title = w.HTML(_("<b>host CPU and RAM</b>"))
+        self._host = {k: Meter(n) for k, n in (("cpu", _("CPU busy")), ("ram", _("RAM used")),
+                                               ("rss", _("this kernel's RAM")))}
         self._notes = w.HTML("", layout=w.Layout(display="none"))
         self._error = w.HTML("", layout=w.Layout(display="none"))
         self._image = w.Image(format="png", layout=w.Layout(display="none", width="432px"))
@@ -97,7 +100,7 @@ class DeviceMonitor:
                                  layout=w.Layout(display="none"))
         self._host_box = w.VBox([self._host_title] + [m.box for m in self._host.values()],
                                 layout=w.Layout(display="none"))
-        self.widget = w.VBox([w.HBox([w.HTML("<b>Device monitor</b>&nbsp;"), self._status]),
+        self.widget = w.VBox([w.HBox([w.HTML(_("<b>Device monitor</b>") + "&nbsp;"), self._status]),
                               self._gpu_box, self._torch_box, self._host_box, self._notes, self._error,
                               self._image])
         self.widget.add_class("course-device-monitor")
@@ -106,32 +109,39 @@ class DeviceMonitor:
         g, t, h = snap.gpu, snap.torch, snap.host
         set_visible(self._gpu_box, g is not None)
         if g is not None:
-            name = (g.name or "GPU") + (" (MIG slice)" if g.mig else "")
-            set_changed(self._gpu_title, value=f"<b>whole GPU (NVML)</b> · {escape(name)} · all processes")
-            self._gpu["util"].set(g.utilization, "n/a" if g.utilization is None else f"{g.utilization:.0f} %")
+            name = g.name or "GPU"
+            if g.mig:
+                name = _("{name} (MIG slice)").format(name=name)
+            set_changed(self._gpu_title, value=_("<b>whole GPU (NVML)</b> · {name} · all processes").format(
+                name=escape(name)))
+            na = _("n/a")
+            self._gpu["util"].set(g.utilization, na if g.utilization is None else f"{g.utilization:.0f} %")
             mem = _pct(g.memory_used, g.memory_total)
-            self._gpu["mem"].set(mem, "n/a" if mem is None else
+            self._gpu["mem"].set(mem, na if mem is None else
                                  f"{fmt_bytes(g.memory_used)} / {fmt_bytes(g.memory_total)}", level_style(mem))
-            self._gpu["temp"].set(g.temperature, "n/a" if g.temperature is None else f"{g.temperature:.0f} °C",
+            self._gpu["temp"].set(g.temperature, na if g.temperature is None else f"{g.temperature:.0f} °C",
                                   level_style(g.temperature, 80, 90))
             power = _pct(g.power, g.power_limit)
-            self._gpu["power"].set(power, "n/a" if g.power is None else f"{g.power:.0f} W" + (
+            self._gpu["power"].set(power, na if g.power is None else f"{g.power:.0f} W" + (
                 f" / {g.power_limit:.0f} W" if g.power_limit else ""))
         set_visible(self._torch_box, t is not None)
         if t is not None:
-            set_changed(self._torch_title, value=f"<b>this kernel (PyTorch)</b> · {t.device}")
+            set_changed(self._torch_title, value=_("<b>this kernel (PyTorch)</b> · {device}").format(device=t.device))
             for key, value in (("alloc", t.allocated), ("reserved", t.reserved), ("peak", t.peak)):
                 pct = _pct(value, t.total)
                 self._torch[key].set(pct, f"{fmt_bytes(value)} / {fmt_bytes(t.total)}", level_style(pct))
         set_visible(self._host_box, h is not None)
         if h is not None:
-            cpus = f"{h.cpu_count:g} CPU{'s' if h.cpu_count != 1 else ''}"
-            limits = [x for x, on in ((f"CPU quota {h.cpu_count:g}", h.cpu_limited),
-                                      (f"memory limit {fmt_bytes(h.ram_total)}", h.ram_limited)) if on]
-            set_changed(self._host_title, value="<b>host CPU and RAM</b>"
-                        + (f" · container: {', '.join(limits)}" if limits else ""))
-            self._host["cpu"].set(h.cpu_percent, "n/a" if h.cpu_percent is None else
-                                  f"{h.cpu_percent:.1f} % of {cpus}")
+            cpus = (_("{count:g} CPUs") if h.cpu_count != 1 else _("{count:g} CPU")).format(count=h.cpu_count)
+            limits = [x for x, on in ((_("CPU quota {count:g}").format(count=h.cpu_count), h.cpu_limited),
+                                      (_("memory limit {size}").format(size=fmt_bytes(h.ram_total)), h.ram_limited))
+                      if on]
+            title = _("<b>host CPU and RAM</b>")
+            if limits:
+                title += _(" · container: {limits}").format(limits=_(", ").join(limits))
+            set_changed(self._host_title, value=title)
+            self._host["cpu"].set(h.cpu_percent, _("n/a") if h.cpu_percent is None else
+                                  _("{percent:.1f} % of {cpus}").format(percent=h.cpu_percent, cpus=cpus))
             ram = _pct(h.ram_used, h.ram_total)
             self._host["ram"].set(ram, f"{fmt_bytes(h.ram_used)} / {fmt_bytes(h.ram_total)}", level_style(ram))
             rss = _pct(h.process_rss, h.ram_total)
@@ -161,8 +171,8 @@ class DeviceMonitor:
         self.history.append(snap)
         self._show(snap)
         self.samples += 1
-        set_changed(self._status, value=f"updated {time.strftime('%H:%M:%S', time.localtime(snap.time))}"
-                                        f" · sample {self.samples}")
+        set_changed(self._status, value=_("updated {time} · sample {number}").format(
+            time=time.strftime("%H:%M:%S", time.localtime(snap.time)), number=self.samples))
         if time.monotonic() - self._last_chart >= self.chart_interval and len(self.history) >= 2:
             self._last_chart = time.monotonic()
             self._draw_chart()
@@ -172,9 +182,10 @@ class DeviceMonitor:
         self.refresh()
 
     def _failed(self, exc: BaseException) -> None:
-        set_changed(self._error, value=f"<b>monitor stopped:</b> {escape(type(exc).__name__)}: {escape(str(exc))}")
+        set_changed(self._error, value=_("<b>monitor stopped:</b> {error}: {message}").format(
+            error=escape(type(exc).__name__), message=escape(str(exc))))
         set_visible(self._error, True)
-        set_changed(self._status, value="stopped after an error")
+        set_changed(self._status, value=_("stopped after an error"))
         loop.release(self.KIND, self)
 
     @property
@@ -202,7 +213,7 @@ class DeviceMonitor:
                 if source is not None and hasattr(source, "index"):
                     source.index = index
         set_visible(self._error, False)
-        set_changed(self._status, value="starting")
+        set_changed(self._status, value=_("starting"))
         self._loop.start()
         return self
 
@@ -211,7 +222,7 @@ class DeviceMonitor:
         self._loop.stop()
         loop.release(self.KIND, self)
         if self._loop.error is None:
-            set_changed(self._status, value=f"stopped at {time.strftime('%H:%M:%S')}")
+            set_changed(self._status, value=_("stopped at {time}").format(time=time.strftime("%H:%M:%S")))
 
     def show(self) -> "DeviceMonitor":
         """Display the panel in the running cell (inside a Jupyter kernel; elsewhere a no-op)."""

@@ -27,8 +27,9 @@ from collections import deque
 import torch
 
 from ..callbacks import Callback
+from ..i18n import N_, _
 from . import loop
-from .chart import LineChart
+from .chart import LineChart, plot_text
 from ._widgets import display_widget, escape, fmt_duration, set_changed, set_visible
 
 _MAX_POINTS = 4000  # loss points kept for the curve; older ones are averaged in pairs beyond this
@@ -55,11 +56,13 @@ class TrainingProgress(Callback):
                  chart_interval: float = 2.0, display: bool = True, smoothing: float = 0.05):
         for name, value in (("total_steps", total_steps), ("epochs", epochs)):
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
-                raise ValueError(f"{name} must be a non-negative int or None, got {value!r}")
+                raise ValueError(_("{name} must be a non-negative int or None, got {value!r}").format(name=name,
+                                                                                                    value=value))
         if not (isinstance(chart_interval, (int, float)) and chart_interval > 0):
-            raise ValueError(f"chart_interval must be a positive number of seconds, got {chart_interval!r}")
+            raise ValueError(_("chart_interval must be a positive number of seconds, got {value!r}").format(
+                value=chart_interval))
         if not (isinstance(smoothing, (int, float)) and 0 < smoothing <= 1):
-            raise ValueError(f"smoothing must be in (0, 1], got {smoothing!r}")
+            raise ValueError(_("smoothing must be in (0, 1], got {value!r}").format(value=smoothing))
         self.total_steps = total_steps
         self.epochs = epochs
         self.chart_interval = float(chart_interval)
@@ -85,7 +88,8 @@ class TrainingProgress(Callback):
         self._rate_window: deque = deque(maxlen=16)  # (time, steps) at refreshes
         self._last_chart = float("-inf")
         # made in the caller's thread (see DeviceMonitor): matplotlib's first import may log
-        self._chart = LineChart([("loss", "tab:blue"), ("smoothed", "tab:red")], xlabel="step", ylabel="loss",
+        self._chart = LineChart([(plot_text(N_("loss")), "tab:blue"), (plot_text(N_("smoothed")), "tab:red")],
+                                xlabel=plot_text(N_("step")), ylabel=plot_text(N_("loss")),
                                 widths=[0.8, 1.8], alphas=[0.35, 1.0],
                                 legend="upper right")  # a falling loss leaves that corner empty
         self._displayed = False
@@ -107,10 +111,11 @@ class TrainingProgress(Callback):
             return
         if isinstance(loss, torch.Tensor):
             if loss.numel() != 1:  # metadata only, no sync
-                raise ValueError(f"loss must be a single number, got a tensor of shape {tuple(loss.shape)}")
+                raise ValueError(_("loss must be a single number, got a tensor of shape {shape}").format(
+                    shape=tuple(loss.shape)))
             loss = loss.detach()
         elif not isinstance(loss, (int, float)):
-            raise TypeError(f"loss must be a tensor, a number or None, got {type(loss).__name__}")
+            raise TypeError(_("loss must be a tensor, a number or None, got {type}").format(type=type(loss).__name__))
         self._pending.append((self.steps, loss))  # deque.append is atomic: no lock on the hot path
 
     # --- Trainer callback hooks --------------------------------------------------------------
@@ -160,16 +165,16 @@ class TrainingProgress(Callback):
 
     def _drain(self) -> None:
         """Move pending losses into the float lists. CPU-GPU sync point: once per refresh, in this thread."""
-        items = [self._pending.popleft() for _ in range(len(self._pending))]
+        items = [self._pending.popleft() for _i in range(len(self._pending))]
         if not items:
             return
-        values = [v for _, v in items]
+        values = [v for _step, v in items]
         if all(isinstance(v, torch.Tensor) for v in values) and len({v.device for v in values}) == 1:
             floats = torch.stack([v.reshape(()) for v in values]).float().cpu().tolist()
         else:
             floats = [float(v) for v in values]
         keep = 1.0 - self.smoothing
-        for (step, _), value in zip(items, floats):
+        for (step, _loss), value in zip(items, floats):
             if math.isfinite(value):  # a NaN/inf loss is shown as such but does not poison the average
                 self._ema_sum = keep * self._ema_sum + self.smoothing * value
                 self._ema_count += 1
@@ -196,22 +201,27 @@ class TrainingProgress(Callback):
             done = min(max(steps - first, 0), total - first)
             set_changed(self._bar, max=max(total - first, 1), value=done)
             left = (total - steps) / rate if rate else None
-            text = f"{steps - first}/{total - first} steps"
-            timing = f"{fmt_duration(elapsed)} elapsed, {fmt_duration(left)} left"
+            text = _("{done}/{total} steps").format(done=steps - first, total=total - first)
+            timing = _("{elapsed} elapsed, {left} left").format(elapsed=fmt_duration(elapsed), left=fmt_duration(left))
         else:
             set_changed(self._bar, max=1, value=0, bar_style="info")
-            text, timing = f"{steps} steps", f"{fmt_duration(elapsed)} elapsed"
-        rate_text = f"{rate:.1f} steps/s" if rate else "? steps/s"
+            text = _("{steps} steps").format(steps=steps)
+            timing = _("{elapsed} elapsed").format(elapsed=fmt_duration(elapsed))
+        rate_text = _("{rate:.1f} steps/s").format(rate=rate) if rate else _("? steps/s")
         set_changed(self._bar_text, value=f"{text} · {rate_text} · {timing}")
         parts = []
         if self._epoch is not None:
-            parts.append(f"epoch {self._epoch + 1}" + (f" (this run: {self.epochs})" if self.epochs else ""))
+            if self.epochs:
+                parts.append(_("epoch {epoch} (this run: {epochs})").format(epoch=self._epoch + 1, epochs=self.epochs))
+            else:
+                parts.append(_("epoch {epoch}").format(epoch=self._epoch + 1))
         if self.losses:
-            parts.append(f"loss {self.losses[-1]:.4g} (smoothed {self.smoothed[-1]:.4g})")
+            parts.append(_("loss {loss:.4g} (smoothed {smoothed:.4g})").format(loss=self.losses[-1],
+                                                                               smoothed=self.smoothed[-1]))
         if self.epoch_logs:
-            epoch, _, logs = self.epoch_logs[-1]
+            epoch, _step, logs = self.epoch_logs[-1]
             shown = ", ".join(f"{k} {_number(v)}" for k, v in logs.items())
-            parts.append(f"epoch {epoch + 1} done: {shown}")
+            parts.append(_("epoch {epoch} done: {logs}").format(epoch=epoch + 1, logs=shown))
         set_changed(self._text, value=escape(" · ".join(parts)))
         if self.losses and now - self._last_chart >= self.chart_interval:
             self._last_chart = now
@@ -229,8 +239,8 @@ class TrainingProgress(Callback):
 
     def _failed(self, exc: BaseException) -> None:
         set_changed(self._bar, bar_style="danger")
-        set_changed(self._text, value=f"<b>progress display stopped:</b> {escape(type(exc).__name__)}: "
-                                      f"{escape(str(exc))}")
+        set_changed(self._text, value=_("<b>progress display stopped:</b> {error}: {message}").format(
+            error=escape(type(exc).__name__), message=escape(str(exc))))
         loop.release(self.KIND, self)
 
     # --- lifecycle -----------------------------------------------------------------------
@@ -268,7 +278,7 @@ class TrainingProgress(Callback):
         if was_running and self._loop.error is None:
             self._last_chart = float("-inf")
             self.refresh()
-            total, _ = self._total()
+            total, _first = self._total()
             set_changed(self._bar, bar_style="success" if total and self.steps >= total else "")
 
     def show(self) -> "TrainingProgress":

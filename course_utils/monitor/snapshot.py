@@ -13,6 +13,8 @@ import time
 from dataclasses import dataclass
 from typing import Protocol
 
+from ..i18n import N_, _
+
 
 @dataclass(frozen=True)
 class GpuStats:
@@ -89,10 +91,10 @@ class Sampler:
     def sample(self) -> Snapshot:
         notes = []
         parts = []
-        for label, source in (("GPU (NVML)", self.nvml), ("PyTorch", self.torch), ("host", self.host)):
+        for label, source in ((N_("GPU (NVML)"), self.nvml), (N_("PyTorch"), self.torch), (N_("host"), self.host)):
             stats = source.sample() if source is not None else None
             if stats is None and source is not None and source.reason:
-                notes.append(f"{label}: {source.reason}")
+                notes.append(_("{label}: {reason}").format(label=_(label), reason=source.reason))
             parts.append(stats)
         return Snapshot(time.time(), parts[0], parts[1], parts[2], tuple(notes))
 
@@ -103,5 +105,6 @@ def _pick(arg, default):
     if arg is False or arg is None:
         return None
     if not callable(getattr(arg, "sample", None)):
-        raise TypeError(f"a sampler source must be True, False or an object with a sample() method, got {arg!r}")
+        raise TypeError(_("a sampler source must be True, False or an object with a sample() method, got {arg!r}"
+                          ).format(arg=arg))
     return arg

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from ..i18n import _
+
 
 def cuda_index(device) -> int | None:
     """The CUDA device index named by `device` (int, "cuda", "cuda:1", torch.device), None for "the default".
@@ -17,20 +19,22 @@ def cuda_index(device) -> int | None:
     if device is None:
         return None
     if isinstance(device, bool):
-        raise ValueError(f"device must be a CUDA device index, 'cuda:N' or a torch.device, got {device!r}")
+        raise ValueError(_("device must be a CUDA device index, 'cuda:N' or a torch.device, got {device!r}").format(
+            device=device))
     if isinstance(device, int):
         index = device
     else:
         try:
             dev = torch.device(device)
         except (RuntimeError, TypeError) as exc:
-            raise ValueError(f"device must be a CUDA device index, 'cuda:N' or a torch.device, got {device!r}") from exc
+            raise ValueError(_("device must be a CUDA device index, 'cuda:N' or a torch.device, got {device!r}").format(
+            device=device)) from exc
         if dev.type != "cuda":
-            raise ValueError(f"the GPU monitor watches a CUDA device, got {dev}; CPU and RAM are shown anyway, "
-                             "so leave device=None on a machine without an NVIDIA GPU")
+            raise ValueError(_("the GPU monitor watches a CUDA device, got {device}; CPU and RAM are shown anyway, "
+                               "so leave device=None on a machine without an NVIDIA GPU").format(device=dev))
         index = dev.index
     if index is not None and index < 0:
-        raise ValueError(f"CUDA device index must be >= 0, got {index}")
+        raise ValueError(_("CUDA device index must be >= 0, got {index}").format(index=index))
     return index
 
 
@@ -62,7 +66,7 @@ class TorchSource:
         from .snapshot import TorchStats
 
         if not torch.cuda.is_initialized():  # never initialise CUDA ourselves
-            self.reason = "this kernel has not used CUDA yet" if self._cuda_present else None
+            self.reason = _("this kernel has not used CUDA yet") if self._cuda_present else None
             return None
         index = self.index or 0
         stats = torch.cuda.memory_stats(index)  # one call for all three numbers (it builds a dict of ~100)

@@ -300,3 +300,37 @@ def test_notebook_shows_as_rise_slides(lab, tmp_path):
             lab_page.screenshot(path=str(ARTIFACTS / "rise_in_jupyterlab.png"))
         finally:
             browser.close()
+
+
+CHINESE_NOTEBOOK = ROOT / "notebooks" / "zh-CN" / "07_capstone.ipynb"
+
+
+def test_a_chinese_notebook_renders_its_text_and_plots(lab, tmp_path):
+    """The Chinese edition in JupyterLab: headings and prose in Chinese (drawn with the CJK font the page has),
+    the committed plot (Chinese labels, drawn by matplotlib with Noto CJK) shown; screenshots for a human look."""
+    from playwright.sync_api import expect, sync_playwright
+
+    base, token = lab
+    shutil.copy(CHINESE_NOTEBOOK, tmp_path / "notebooks" / CHINESE_NOTEBOOK.name)
+    ARTIFACTS.mkdir(exist_ok=True)
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
+        try:
+            page = browser.new_page(viewport={"width": 1400, "height": 1000})
+            page.set_default_timeout(60_000)
+            page.goto(f"{base}/lab/tree/{CHINESE_NOTEBOOK.name}?token={token}")
+            heading = page.locator(".jp-Notebook .jp-MarkdownOutput h1").first
+            expect(heading).to_be_visible(timeout=90_000)
+            assert re.search(r"[\u4e00-\u9fff]", heading.inner_text()), heading.inner_text()
+            # a Chinese glyph is as wide as the CJK font makes it: a missing font would fall back to boxes/narrow glyphs
+            width = page.evaluate("""() => { const s = document.createElement('span'); s.textContent = '显存显存显存';
+                document.querySelector('.jp-MarkdownOutput').appendChild(s); const w = s.getBoundingClientRect().width;
+                s.remove(); return w; }""")
+            assert width > 40, f"six CJK characters are {width} px wide: is a CJK font installed?"
+            page.screenshot(path=str(ARTIFACTS / "zh_notebook.png"))
+            image = page.locator(".jp-Notebook .jp-RenderedImage img").first
+            image.scroll_into_view_if_needed(timeout=60_000)
+            page.wait_for_function("img => img.complete && img.naturalWidth > 100", arg=image.element_handle())
+            image.screenshot(path=str(ARTIFACTS / "zh_plot.png"))
+        finally:
+            browser.close()
