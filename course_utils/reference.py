@@ -119,10 +119,11 @@ def published_table(section: str) -> str:
     lines = []
     for fig, value in zip(figures, values):
         refs = " ".join(ref(s) for s in [fig["source"], *fig["also_sources"]])
-        row = f"  {value:>{width}}  {fig['quantity']}; {fig['hardware']} {refs}"
+        row = f"  {value:>{width}}  {_(fig['quantity'])}; {fig['hardware']} {refs}"  # texts: published_figures.po
         lines += textwrap.wrap(row, _WIDTH, subsequent_indent=indent + "  ")
         if fig.get("note"):
-            lines += textwrap.wrap(fig["note"], _WIDTH, initial_indent=indent + "  ", subsequent_indent=indent + "  ")
+            lines += textwrap.wrap(_(fig["note"]), _WIDTH, initial_indent=indent + "  ",
+                                   subsequent_indent=indent + "  ")
     if any(f["kind"] == "vendor peak" for f in figures):
         if any(f["unit"] == "TFLOPS" for f in figures):
             lines.append(_("  Vendor peaks are ceilings (tensor peaks: dense, without 2:4 sparsity), not what a "

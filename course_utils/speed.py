@@ -625,7 +625,7 @@ class TimeToAccuracy:
     @property
     def images_per_s(self) -> float:
         """Training throughput over the whole run (evaluations not counted)."""
-        images, seconds, _ = self.history[-1]
+        images, seconds, _accuracy = self.history[-1]
         return images / seconds
 
 

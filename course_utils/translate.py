@@ -360,11 +360,24 @@ def module_catalog_path(module: Path) -> Path:
     return PACKAGE / "locale" / LANGUAGE.replace("-", "_") / f"{dotted}.po"
 
 
+# Data files whose texts are shown translated: which strings of them are messages.
+DATA_MESSAGES = {
+    "published_figures.json": lambda data: [f[k] for f in data["figures"] for k in ("quantity", "note") if f.get(k)],
+}
+
+
 def module_messages(module: Path) -> list[tuple[int, str]]:
-    """(line, message) for every `_("...")` and `N_("...")` in a module, in order, once each (Babel's extractor)."""
+    """(line, message) for every `_("...")` and `N_("...")` in a module, in order, once each (Babel's extractor);
+    for a data file of DATA_MESSAGES, its texts (line 0)."""
     from babel.messages.extract import extract_from_file
 
     seen, out = set(), []
+    if module.suffix == ".json":
+        for message in DATA_MESSAGES[module.name](json.loads(module.read_text(encoding="utf-8"))):
+            if message not in seen:
+                seen.add(message)
+                out.append((0, message))
+        return out
     for lineno, message, _comments, _context in extract_from_file("python", str(module), keywords=KEYWORDS):
         if isinstance(message, str) and message not in seen:
             seen.add(message)
@@ -373,7 +386,7 @@ def module_messages(module: Path) -> list[tuple[int, str]]:
 
 
 def _modules() -> list[Path]:
-    return sorted(p for p in PACKAGE.rglob("*.py") if "locale" not in p.parts)
+    return sorted(p for p in PACKAGE.rglob("*.py") if "locale" not in p.parts) + [PACKAGE / n for n in DATA_MESSAGES]
 
 
 def update_messages(modules: list[Path] | None = None) -> list[str]:
