@@ -4,6 +4,7 @@
     python -m course_utils.translate check    # every unit translated and current? exit 1 and say which if not
     python -m course_utils.translate build    # notebooks/zh-CN/NN_*.ipynb from the English ones (no outputs)
     python -m course_utils.translate build --execute   # ... and run each from a fresh kernel, outputs saved
+    python -m course_utils.translate build --solved DIR  # the solved Chinese edition (instructor version)
 
 The English notebooks are the source. Each notebook has a catalog, `notebooks/locale/zh_CN/NN_name.po`, with one
 entry per unit a learner reads:
@@ -42,7 +43,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 __all__ = ["LANGUAGE", "Problem", "Unit", "build_notebook", "catalog_path", "check", "check_messages", "code_units",
-           "execute_notebook", "glossary",
+           "execute_notebook", "glossary", "solved_notebook",
            "load_catalog", "load_glossary", "main", "notebook_units", "translate_notebook", "update_catalog",
            "update_messages"]
 
@@ -54,6 +55,9 @@ _CJK = re.compile(r"[\u3400-\u9fff]")
 # Text, not an identifier or an option: a word and something else separated by a space ("epoch 1", "{n} workers",
 # "images / s"), or a word ending in a colon ("buggy:"). Single words ("mean", "cuda") are left as code.
 _PROSE = re.compile(r"[A-Za-z]{2,}[^\S\n]+\S|\S[^\S\n]+[A-Za-z]{2,}|^\W*[A-Za-z]{2,}[^\w\n]*:\W*$")
+# Text drawn on a plot, even a single word: the first argument of these calls, and these keyword arguments.
+PLOT_TEXT_CALLS = {"set_title", "set_xlabel", "set_ylabel", "title", "xlabel", "ylabel", "suptitle", "set_label"}
+PLOT_TEXT_KEYWORDS = {"label", "title", "xlabel", "ylabel"}
 _DIRECTIVE = re.compile(r"#\s*(NBVAL_|noqa|type:|fmt:|pragma|%%|-\*-|!)")
 
 
@@ -115,15 +119,24 @@ def code_units(cell_id: str, source: str) -> list[Unit]:
     except (tokenize.TokenError, SyntaxError, IndentationError):
         return units
     lines = source.splitlines()
+    before: list[str] = ["", ""]  # the two code tokens before the current one
+    label = fstring_label = False
     for tok in tokens:
         name = tokenize.tok_name[tok.type]
+        if tok.type in (tokenize.STRING, tokenize.COMMENT) or name == "FSTRING_START":
+            label = (before[-1] == "(" and before[-2] in PLOT_TEXT_CALLS) or \
+                    (before[-1] == "=" and before[-2] in PLOT_TEXT_KEYWORDS)
+        if fstring_start is None and tok.type not in (tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE):
+            before = [before[-1], tok.string]
         if name == "FSTRING_START":  # Python 3.12+ splits f-strings: keep them whole
-            fstring_start = fstring_start or tok.start
+            if fstring_start is None:
+                fstring_start, fstring_label = tok.start, label
             continue
         if name == "FSTRING_END":
             start, end = at(fstring_start), at(tok.end)
-            fstring_start = None
+            fstring_start, label = None, fstring_label
             text = source[start:end]
+            before = [before[-1], text]
         elif fstring_start is not None:
             continue
         elif tok.type == tokenize.COMMENT:
@@ -134,7 +147,8 @@ def code_units(cell_id: str, source: str) -> list[Unit]:
             start, end, text = at(tok.start), at(tok.end), tok.string
         else:
             continue
-        if tok.type != tokenize.COMMENT and not _PROSE.search(_string_body(text)):
+        if tok.type != tokenize.COMMENT and not _PROSE.search(_string_body(text)) and \
+                not (label and re.search(r"[A-Za-z]{2,}", _string_body(text))):
             continue
         units.append(Unit(cell_id, "comment" if text.startswith("#") else "string", text, start, end,
                           lines[tok.start[0] - 1].strip() if tok.start[0] <= len(lines) else ""))
@@ -510,6 +524,19 @@ def build_notebook(notebook: Path, out_dir: Path | None = None, *, keep_outputs_
     return target
 
 
+def solved_notebook(notebook: Path) -> dict:
+    """The solved Chinese edition of an English notebook: every exercise blank replaced by its reference solution
+    (`course_utils.exercises.solve`), then translated by the notebook's catalog; the solutions' own text, which
+    has no catalog entries, stays as written. Its cells' outputs are those of the English notebook (unrun)."""
+    import nbformat
+
+    from .exercises.solve import solve_notebook
+
+    english = solve_notebook(nbformat.read(notebook, as_version=4))
+    return nbformat.from_dict(translate_notebook(english, load_catalog(notebook), strict=False,
+                                                 source_name=notebook.name))
+
+
 def execute_notebook(path: Path, timeout: int = 600) -> None:
     """Run a notebook top to bottom in a fresh kernel from its folder and save it with its outputs (no widget
     state), as `jupyter nbconvert --execute --inplace` does."""
@@ -528,6 +555,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("command", choices=["update", "check", "build", "messages"])
     parser.add_argument("notebooks", nargs="*", type=Path, help="English notebooks (default: all in notebooks/)")
     parser.add_argument("--execute", action="store_true", help="build: also run each built notebook, saving outputs")
+    parser.add_argument("--solved", type=Path, metavar="DIR",
+                        help="build: write the solved Chinese edition (instructor version) to DIR instead")
     parser.add_argument("--no-glossary", action="store_true", help="check: skip the glossary test")
     parser.add_argument("--modules", nargs="+", type=Path, help="messages/check: only these course_utils modules' catalogs")
     args = parser.parse_intermixed_args(argv)
@@ -558,6 +587,16 @@ def main(argv: list[str] | None = None) -> int:
             print(p)
         print("not built: fix the catalogs first (python -m course_utils.translate check)", file=sys.stderr)
         return 1
+    if args.solved:
+        args.solved.mkdir(parents=True, exist_ok=True)
+        for nb in notebooks:
+            target = args.solved / nb.name
+            target.write_text(json.dumps(solved_notebook(nb), sort_keys=True, indent=1, ensure_ascii=False) + "\n",
+                              encoding="utf-8")
+            if args.execute:
+                execute_notebook(target)
+            print(target)
+        return 0
     for nb in notebooks:
         target = build_notebook(nb)
         if args.execute:

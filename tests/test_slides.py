@@ -40,11 +40,16 @@ def _course_rule(paths):
 # --- the committed notebooks -----------------------------------------------------------------------------------
 
 
-def test_committed_notebooks_have_up_to_date_slide_metadata():
-    problems = slides.check(NOTEBOOKS)
+CHINESE = sorted((ROOT / "notebooks" / "zh-CN").glob("[0-9][0-9]_*.ipynb"))
+
+
+@pytest.mark.parametrize("edition, paths", [("notebooks/", NOTEBOOKS), ("notebooks/zh-CN/", CHINESE)])
+def test_committed_notebooks_have_up_to_date_slide_metadata(edition, paths):
+    assert paths
+    problems = slides.check(paths)
     if problems:
         pytest.fail(f"{len(problems)} cells without up-to-date slide metadata; run "
-                    f"`python -m course_utils.slides notebooks/`:\n" + "\n".join(problems[:20]), pytrace=False)
+                    f"`python -m course_utils.slides {edition}`:\n" + "\n".join(problems[:20]), pytrace=False)
 
 
 def test_no_slide_of_a_committed_notebook_overflows():

@@ -1,11 +1,11 @@
 """Run each notebook with every exercise filled in with its reference solution: every check must pass.
 
 This is the instructor's version (`python -m course_utils.exercises solve notebooks/ OUT`), executed from a
-fresh kernel like a learner's restart-and-run-all. It runs once, in the Chinese edition (the English solved notebook
-translated by the same catalogs, `translate_notebook(..., strict=False)`): the code is the same in both editions
-(tests/test_translation.py proves it token by token) and only the words differ, so this one run proves the
-solutions and the Chinese feedback at once; the English feedback of every solution is proven in
-tests/test_exercises.py, and the English notebooks run under nbval."""
+fresh kernel like a learner's restart-and-run-all. It runs once, in the Chinese edition
+(`translate.solved_notebook`: the English solved notebook translated by the same catalogs). The code is the same
+in both editions (tests/test_translation.py proves it token by token) and only the words differ, so this one run
+proves the solutions in their notebooks and the Chinese feedback at once; every solution's English feedback is
+proven in tests/test_exercises.py, and the English notebooks run under nbval."""
 from pathlib import Path
 
 import nbformat
@@ -13,7 +13,7 @@ import pytest
 from nbclient import NotebookClient
 
 from course_utils import translate
-from course_utils.exercises.solve import exercise_cells, solve_notebook
+from course_utils.exercises.solve import exercise_cells
 
 NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
 WITH_EXERCISES = [p for p in sorted(NOTEBOOKS.glob("[0-9][0-9]_*.ipynb"))
@@ -23,8 +23,7 @@ WITH_EXERCISES = [p for p in sorted(NOTEBOOKS.glob("[0-9][0-9]_*.ipynb"))
 @pytest.mark.slow
 @pytest.mark.parametrize("path", WITH_EXERCISES, ids=[p.stem for p in WITH_EXERCISES])
 def test_solved_notebook_passes_every_check(path):
-    english = solve_notebook(nbformat.read(path, as_version=4))
-    solved = nbformat.from_dict(translate.translate_notebook(english, translate.load_catalog(path), strict=False))
+    solved = translate.solved_notebook(path)
     NotebookClient(solved, timeout=600, kernel_name="python3",
                    resources={"metadata": {"path": str(NOTEBOOKS / translate.LANGUAGE)}}).execute()
     for i, ex_id in exercise_cells(solved):

@@ -4,7 +4,8 @@ Starts JupyterLab on 127.0.0.1 (random free port, random token, a temporary copy
 notebook, isolated Jupyter config/data/runtime dirs), runs all cells from the Run menu, and while the
 training cell is still running ([*] prompt) reads the DeviceMonitor panel's text twice, a few seconds
 apart: widget updates sent from the monitor's thread must reach the page while the kernel is busy
-(they did not with ipykernel 7.0). Saves screenshots under artifacts/ and shuts the server down.
+(they did not with ipykernel 7.0). The fixture speaks Chinese (the monitor's labels come from its zh_CN
+catalog; the English ones are tested in tests/test_monitor.py). A second test opens a Chinese course notebook. Saves screenshots under artifacts/ and shuts the server down.
 
 Needs /usr/bin/chromium (`.ci/browser-setup.sh` installs it); skipped with a reason otherwise.
 """
@@ -101,8 +102,8 @@ def _prompt(page, index: int) -> str:
 
 
 def _sample_number(text: str) -> int:
-    match = re.search(r"sample (\d+)", text)
-    assert match, f"no 'sample N' in the panel text:\n{text}"
+    match = re.search(r"第 (\d+) 次采样", text)  # "sample N" in the fixture's language, Chinese
+    assert match, f"no '第 N 次采样' (sample N) in the panel text:\n{text}"
     return int(match.group(1))
 
 
@@ -169,7 +170,7 @@ def test_monitor_updates_in_a_real_jupyterlab_while_a_cell_runs(lab):
             progress = page.locator(".course-training-progress")
             expect(panel).to_be_visible(timeout=60_000)
             expect(progress).to_be_visible(timeout=60_000)  # the training cell has started
-            expect(page.locator(".course-device-monitor", has_text="sample 2")).to_have_count(1, timeout=30_000)
+            expect(page.locator(".course-device-monitor", has_text="第 2 次采样")).to_have_count(1, timeout=30_000)
 
             # read the panels while the training cell is busy: at least twice, a few seconds apart
             reads = []  # (time, monitor text, progress text), each taken while the prompt showed [*]
@@ -187,16 +188,17 @@ def test_monitor_updates_in_a_real_jupyterlab_while_a_cell_runs(lab):
             (t0, first, _), (t1, last, _) = reads[0], reads[-1]
             # the thread refreshes about once a second while the kernel is busy
             assert _sample_number(last) >= _sample_number(first) + max(1, int(0.5 * (t1 - t0))), (first, last)
-            assert "host CPU and RAM" in first and "% of" in first
+            # the labels are the Chinese catalog's ("host CPU and RAM", "N % of M CPUs", "this kernel's RAM")
+            assert "主机 CPU 与内存" in first and " 的 " in first and " %" in first, first
             # a measured value, not only the status line: the fixture's cache makes the kernel's RAM grow
-            assert _row(first, "this kernel's RAM") != _row(last, "this kernel's RAM"), (first, last)
-            steps = [int(re.search(r"(\d+)/300 steps", p_text).group(1)) for _, _, p_text in reads]
+            assert _row(first, "本内核占用的内存") != _row(last, "本内核占用的内存"), (first, last)
+            steps = [int(re.search(r"(\d+)/300 步", p_text).group(1)) for _, _, p_text in reads]
             assert steps == sorted(set(steps)), reads  # the progress bar moves too
 
             # the run finishes cleanly: the monitor stops and nothing was written to stderr by a thread
             expect(page.locator(".jp-OutputArea-output", has_text="training finished after 300 steps")
                    ).to_have_count(1, timeout=90_000)
-            expect(panel).to_contain_text("stopped at")
+            expect(panel).to_contain_text("停止于")  # "stopped at"
             assert page.locator(".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stderr']").count() == 0
             page.screenshot(path=str(ARTIFACTS / "monitor_notebook.png"), full_page=True)
         finally:
