@@ -43,7 +43,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 __all__ = ["LANGUAGE", "Problem", "Unit", "build_notebook", "catalog_path", "check", "check_messages", "code_units",
-           "execute_notebook", "glossary", "solved_notebook",
+           "execute_notebook", "glossary", "solved_notebook", "with_language_line",
            "load_catalog", "load_glossary", "main", "notebook_units", "translate_notebook", "update_catalog",
            "update_messages"]
 
@@ -478,6 +478,26 @@ def _relink(markdown: str) -> str:
     return re.sub(r"(\]\()(\.\./)", r"\1../\2", markdown)
 
 
+def with_language_line(source: str) -> str:
+    """The cell with FIRST_CELL_LINES after its leading imports (so the imports stay at the top of the cell)."""
+    import ast
+
+    try:
+        body = ast.parse(_masked(source)).body
+    except SyntaxError:
+        body = []
+    end = 0
+    for node in body:
+        if not isinstance(node, (ast.Import, ast.ImportFrom)):
+            break
+        end = node.end_lineno
+    lines = source.splitlines(keepends=True)
+    head = "".join(lines[:end])
+    if head and not head.endswith("\n"):
+        head += "\n"
+    return head + FIRST_CELL_LINES + "".join(lines[end:])
+
+
 def translate_notebook(nb: dict, po, *, strict: bool = True, source_name: str = "") -> dict:
     """A copy of `nb` with every unit replaced by its translation. `strict`: a missing or stale translation is an
     error; otherwise the English stays (used for the solved edition, whose solutions have no catalog entries)."""
@@ -503,7 +523,7 @@ def translate_notebook(nb: dict, po, *, strict: bool = True, source_name: str = 
                     continue
                 source = source[:unit.start] + table[key] + source[unit.end:]
             if first_code and source.strip():
-                source = FIRST_CELL_LINES + source
+                source = with_language_line(source)
                 first_code = False
             cell["source"] = source
     out["metadata"]["course_utils"] = {"language": LANGUAGE, "generated_from": f"../{source_name}"}
