@@ -43,7 +43,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 __all__ = ["LANGUAGE", "Problem", "Unit", "build_notebook", "catalog_path", "check", "check_messages", "code_units",
-           "execute_notebook", "glossary", "solved_notebook", "with_language_line",
+           "execute_notebook", "glossary", "join_cjk_lines", "solved_notebook", "with_language_line",
            "load_catalog", "load_glossary", "main", "notebook_units", "translate_notebook", "update_catalog",
            "update_messages"]
 
@@ -473,6 +473,31 @@ def check_messages(modules: list[Path] | None = None, *, with_glossary: bool = T
 
 # --- building --------------------------------------------------------------------------------------------------
 
+_CJK_END = re.compile(r"[\u3000-\u303f\u3400-\u9fff\uff00-\uffef]$")
+_CJK_START = re.compile(r"^[\u3000-\u303f\u3400-\u9fff\uff00-\uffef]")
+_NOT_JOINED = re.compile(r"^\s*(#|\||```|\$\$)|^\s{4}")  # a heading, table row, fence, formula or code line
+
+
+def join_cjk_lines(markdown: str) -> str:
+    """Join a paragraph's lines where one ends and the next begins with a Chinese character: Markdown turns a line
+    break into a space, which Chinese text does not have between its characters. Code blocks, tables, headings
+    and formulas are left as they are."""
+    out: list[str] = []
+    fenced = False
+    for line in markdown.split("\n"):
+        if line.lstrip().startswith("```"):
+            fenced = not fenced
+            out.append(line)
+            continue
+        text = line.lstrip()
+        if (not fenced and out and len(line) - len(text) < 4 and _CJK_START.match(text) and _CJK_END.search(out[-1])
+                and not _NOT_JOINED.match(out[-1])):
+            out[-1] += text  # a list item's continuation line too (indented less than a code block)
+        else:
+            out.append(line)
+    return "\n".join(out)
+
+
 def _relink(markdown: str) -> str:
     """Links to files outside notebooks/ gain one `../` (the edition sits one folder deeper)."""
     return re.sub(r"(\]\()(\.\./)", r"\1../\2", markdown)
@@ -513,7 +538,7 @@ def translate_notebook(nb: dict, po, *, strict: bool = True, source_name: str = 
             key = (cell["id"], source)
             if key not in table and strict:
                 raise KeyError(f"cell {cell['id']}: no current translation")
-            cell["source"] = _relink(table.get(key, source))
+            cell["source"] = join_cjk_lines(_relink(table.get(key, source)))
         elif cell["cell_type"] == "code":
             for unit in reversed(code_units(cell["id"], source)):
                 key = (unit.cell_id, unit.text)

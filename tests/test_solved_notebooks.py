@@ -24,6 +24,8 @@ WITH_EXERCISES = [p for p in sorted(NOTEBOOKS.glob("[0-9][0-9]_*.ipynb"))
 @pytest.mark.parametrize("path", WITH_EXERCISES, ids=[p.stem for p in WITH_EXERCISES])
 def test_solved_notebook_passes_every_check(path, tmp_path):
     solved = translate.solved_notebook(path)
+    # up to the last exercise: the cells after it are those of the learner's notebook, which nbval runs (both editions)
+    solved.cells = solved.cells[:max(i for i, _ in exercise_cells(solved)) + 1]
     # its own folder: the files a notebook writes (checkpoints, traces) must not meet those of its nbval run
     NotebookClient(solved, timeout=600, kernel_name="python3",
                    resources={"metadata": {"path": str(tmp_path)}}).execute()

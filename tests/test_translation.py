@@ -1,6 +1,7 @@
 """The Chinese edition: every unit translated and current, the generated notebooks up to date and running the same
 code, course_utils' messages translated with the same fields, the glossary respected, Chinese plots drawable."""
 import io
+import re
 import json
 import shutil
 import subprocess
@@ -74,7 +75,8 @@ def test_the_chinese_notebook_runs_the_same_code(path):
         if first:
             assert translate.FIRST_CELL_LINES in zh_source, "the first code cell must set the language"
             zh_source, first = zh_source.replace(translate.FIRST_CELL_LINES, "", 1), False
-        assert _code_tokens(zh_source) == _code_tokens(translate._source(en)), f"{path.name} cell {en['id']}"
+        same = _code_tokens(zh_source.rstrip() + "\n") == _code_tokens(translate._source(en).rstrip() + "\n")
+        assert same, f"{path.name} cell {en['id']}"
         if translate.code_units(en["id"], translate._source(en)):
             with_text += 1
             translated += bool(translate._CJK.search(zh_source))
@@ -234,3 +236,14 @@ def test_a_message_in_several_catalogs_has_one_translation():
             seen.setdefault(entry.msgid, {})[path.name] = entry.msgstr
     differing = {k: v for k, v in seen.items() if len(set(v.values())) > 1}
     assert not differing, f"the catalogs merge into one table, so these would depend on file order: {differing}"
+
+
+def test_chinese_paragraph_lines_are_joined_without_a_space():
+    """Markdown renders a line break as a space; between Chinese characters that is a visible gap."""
+    text = "第一行在这里\n接着写。\n\n```python\n# 注释一\n# 注释二\n```\n## 标题\n正文\n- 列表项\n  的续行\n| 甲 |\n| 乙 |\nEnglish\n中文"
+    assert translate.join_cjk_lines(text) == (
+        "第一行在这里接着写。\n\n```python\n# 注释一\n# 注释二\n```\n## 标题\n正文\n- 列表项的续行\n| 甲 |\n| 乙 |\n"
+        "English\n中文")
+    built = json.loads((CHINESE / ENGLISH[7].name).read_text(encoding="utf-8"))
+    markdown = "".join(translate._source(c) for c in built["cells"] if c["cell_type"] == "markdown")
+    assert not re.search(r"[\u4e00-\u9fff。，]\n[\u4e00-\u9fff]", re.sub(r"```.*?```", "", markdown, flags=re.S))
