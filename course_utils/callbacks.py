@@ -13,20 +13,27 @@ A callback overrides the hooks it needs. The Trainer calls them in this order:
     on_train_end                           always, also after Ctrl-C or StopTraining
 
 With `accumulate=k`, an optimizer step follows every k batches. A hook may raise `StopTraining` to end the run
-(the rest of the callbacks still get that event first). Callbacks run in the order of their `order` attribute
+(the rest of the callbacks still get that event first): raised inside an epoch, it takes effect at the next step
+boundary (the step in progress, all batches of its group, is finished first), so the run stops between two
+optimizer steps and resumes exactly; raised in on_train_start, on_epoch_start or on_epoch_end, it stops before
+the next epoch. A method named like a hook that is not one (`on_step_end`) is never called: the Trainer warns,
+naming the nearest hook. Callbacks run in the order of their `order` attribute
 (lower first; the list order among equals), so a scheduler steps before a checkpoint is written whatever
 order they were passed in. `state_dict()` / `load_state_dict()` put a callback's own state in the Trainer's
 checkpoints.
 
-In a distributed run every rank runs the callbacks: decide to stop from global figures (the epoch logs are
-global, as `EarlyStopping` does), so that all ranks raise `StopTraining` at the same point.
+In a distributed run every rank runs the callbacks. A StopTraining raised on any rank stops every rank at the
+same step, with its reason: at the step after the one where it was raised (ranks agree without waiting at every
+step), or at once between epochs.
 
 Hooks get no tensors' values: calling `.item()` on `loss` every batch is a CPU-GPU sync, so keep the tensor
 or sum it on the device instead.
 """
 from __future__ import annotations
 
+import difflib
 import math
+import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -70,6 +77,23 @@ class Callback:
 def overridden(callback: Callback, hook: str) -> bool:
     """Whether `callback` does something at `hook` (its class defines it, not only `Callback`)."""
     return getattr(type(callback), hook, None) is not getattr(Callback, hook)
+
+
+def warn_unknown_hooks(callback) -> None:
+    """Warn (once per callback) about methods named like hooks that are not hooks: they would never be called."""
+    if getattr(callback, "_hooks_checked", False):
+        return
+    try:
+        callback._hooks_checked = True
+    except AttributeError:  # __slots__: check every time, it is cheap
+        pass
+    for name in dir(type(callback)):
+        if name.startswith("on_") and name not in HOOKS and callable(getattr(type(callback), name, None)):
+            near = difflib.get_close_matches(name, HOOKS, n=1, cutoff=0.0)
+            warnings.warn(_("{callback}.{name} is not a Trainer hook, so it is never called; did you mean "
+                            "{near}? The hooks are: {hooks}").format(
+                callback=type(callback).__name__, name=name, near=near[0], hooks=", ".join(HOOKS)),
+                UserWarning, stacklevel=4)
 
 
 class LRScheduler(Callback):
@@ -135,6 +159,18 @@ class EarlyStopping(Callback):
 
     def load_state_dict(self, state) -> None:
         self.best, self.best_epoch, self.bad_epochs = state["best"], state["best_epoch"], state["bad_epochs"]
+
+
+class CheckFinite(Callback):
+    """Stop at the first step whose loss is inf or nan, with an error naming it. A debugging aid: it reads every
+    loss on the CPU, a CPU-GPU sync point per step (the Trainer itself checks once per epoch, for free)."""
+
+    def on_batch_end(self, trainer, loss) -> None:
+        if not torch.isfinite(loss):  # CPU-GPU sync point here
+            from .checkpoint import NonFiniteLossError
+            raise NonFiniteLossError(_("the loss is {value} at {where} (step {step}): stopped there, before the next "
+                                       "step. The optimizer step of this batch has been taken.").format(
+                value=float(loss), where=trainer.where(), step=trainer.optimizer_steps))
 
 
 class Checkpoint(Callback):

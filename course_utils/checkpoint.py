@@ -26,11 +26,62 @@ import torch
 from .memory.oom import first_line
 from .i18n import _
 
-FORMAT = "course_utils.Trainer/2"
+FORMAT = "course_utils.Trainer/3"  # /3: every rank's random and loader state
 
 
 class CheckpointError(RuntimeError):
     """A checkpoint file could not be used (missing, truncated, corrupt, foreign, or not for this device)."""
+
+
+class NonFiniteLossError(FloatingPointError):
+    """Training produced an inf or nan loss, or a checkpoint would have held non-finite weights."""
+
+
+# --- what a checkpoint must match -------------------------------------------------------------
+
+def check_model_state(model: torch.nn.Module, saved: dict) -> None:
+    """Raise ValueError naming what differs between `saved` (a state_dict) and `model`: keys and shapes."""
+    own = model.state_dict()
+    if not isinstance(saved, dict):
+        raise ValueError(_("the checkpoint's model state is not a state_dict"))
+    missing = [k for k in own if k not in saved]
+    unexpected = [k for k in saved if k not in own]
+    shapes = [f"{k}: {tuple(saved[k].shape)} / {tuple(v.shape)}" for k, v in own.items()
+              if k in saved and isinstance(saved[k], torch.Tensor) and saved[k].shape != v.shape]
+    if not (missing or unexpected or shapes):
+        return
+    parts = []
+    if missing:
+        parts.append(_("this model has {n} entries the checkpoint lacks ({keys})").format(
+            n=len(missing), keys=", ".join(missing[:4]) + (", ..." if len(missing) > 4 else "")))
+    if unexpected:
+        parts.append(_("the checkpoint has {n} entries this model lacks ({keys})").format(
+            n=len(unexpected), keys=", ".join(unexpected[:4]) + (", ..." if len(unexpected) > 4 else "")))
+    if shapes:
+        parts.append(_("shapes differ (checkpoint / this model): {shapes}").format(shapes="; ".join(shapes[:4])))
+    hint = ""
+    if any(k.startswith(("module.", "_orig_mod.")) for k in unexpected):
+        hint = _(" (keys starting with 'module.' or '_orig_mod.' come from a DistributedDataParallel or "
+                 "torch.compile wrapper: save the module itself)")
+    raise ValueError(_("the checkpoint's model is not this model: {parts}{hint}").format(
+        parts="; ".join(parts), hint=hint))
+
+
+def check_optimizer_state(optimizer: torch.optim.Optimizer, saved: dict, saved_class: str) -> None:
+    """Raise ValueError naming what differs between `saved` (an optimizer state_dict) and `optimizer`: its class
+    and its parameter groups' sizes (torch's own load checks little and fails half-way, with only a KeyError)."""
+    mine = type(optimizer).__name__
+    if saved_class != mine:
+        raise ValueError(_("this checkpoint's optimizer is {saved}; this trainer's is {mine}: build the same "
+                           "optimizer to resume").format(saved=saved_class, mine=mine))
+    if not isinstance(saved, dict) or "param_groups" not in saved or "state" not in saved:
+        raise ValueError(_("the checkpoint's optimizer state is not an optimizer state_dict"))
+    saved_sizes = [len(g["params"]) for g in saved["param_groups"]]
+    my_sizes = [len(g["params"]) for g in optimizer.param_groups]
+    if saved_sizes != my_sizes:
+        raise ValueError(_("the checkpoint's optimizer has parameter groups of {saved} tensors; this trainer's has "
+                           "{mine}: build the optimizer over the same parameters, grouped the same way").format(
+            saved=saved_sizes, mine=my_sizes))
 
 
 # --- random number generators ------------------------------------------------------------------

@@ -355,7 +355,7 @@ class TensorLoader:
     def state_dict(self) -> dict:
         """The shuffling state and, inside an epoch, how many of its batches were handed out, so an
         interrupted run resumes with the same batches (the torchdata "Stateful" protocol)."""
-        if self._epoch_start is not None and self._yielded < len(self):
+        if self._epoch_start is not None:  # inside an epoch, also after its last batch until the pass ends
             return {"generator": self._epoch_start, "batches_done": self._yielded}
         return {"generator": self.generator.get_state(), "batches_done": 0}
 

@@ -11,8 +11,10 @@ The pieces the `Trainer` uses (a plain script that builds a Trainer runs data-pa
   per rank, PyTorch's convention: the global batch is `world_size` times larger.
 - `all_sum(values, process)`: sums over ranks (epoch losses and validation metrics are global, the same on every
   rank).
-- `agree(flag, process)`: True on every rank if it is True on any (a Ctrl-C that reached only some ranks stops all
-  of them at the same step). It uses a gloo group on the CPU, so it never waits for a GPU.
+- `StopVote(process)`: whether any rank wants to stop (a Ctrl-C, a SIGTERM or a callback's StopTraining that reached
+  only some ranks), agreed without a blocking collective per step: each step posts its wish in an asynchronous CPU
+  all-reduce and reads the one it posted a step earlier, long finished by then. Every rank reads the same answers
+  in the same order, so all ranks stop at the same step. `settle()` (at an epoch's end) waits for the answer.
 - `gather_objects(obj, process)`: one Python object from every rank (the random generators' states).
 
 Importing this module touches no device and starts nothing.
@@ -27,7 +29,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, SequentialSampler
+from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, RandomSampler, SequentialSampler
 
 from .i18n import _
 
@@ -140,11 +142,16 @@ def shard_loader(loader, process: Process):
       again with a `DistributedSampler` (same shuffling, the seed of the loader's generator; padded, as PyTorch
       does, so every rank gets the same number of batches). A DataLoader that already has a DistributedSampler is
       kept. torchdata's StatefulDataLoader is rebuilt the same way.
+    - a DataLoader over an `IterableDataset` (a stream has no sampler to split): the same loader over
+      `dataset.shard(rank, world_size)`, a method the dataset provides (it yields only that rank's share, split
+      further by worker with `torch.utils.data.get_worker_info()`, and the same number of batches on every rank).
     Anything else raises: a rank must not silently train on the data of all ranks.
     """
     shard = getattr(loader, "shard", None)
     if callable(shard):
         return shard(process.rank, process.world_size)
+    if isinstance(loader, DataLoader) and isinstance(loader.dataset, IterableDataset):
+        return _shard_stream(loader, process)
     if not isinstance(loader, DataLoader) and not hasattr(loader, "sampler"):
         raise TypeError(_("cannot split a {loader} across {ranks} ranks: pass a course_utils.data.TensorLoader or a "
                           "torch DataLoader, or give every rank its own share through a DataLoader with a "
@@ -158,14 +165,32 @@ def shard_loader(loader, process: Process):
     seed = loader.generator.initial_seed() if loader.generator is not None else 0
     distributed = DistributedSampler(loader.dataset, num_replicas=process.world_size, rank=process.rank,
                                      shuffle=isinstance(sampler, RandomSampler), seed=seed)
-    kwargs = dict(batch_size=loader.batch_size, sampler=distributed, num_workers=loader.num_workers,
-                  collate_fn=loader.collate_fn, pin_memory=loader.pin_memory, drop_last=loader.drop_last,
-                  timeout=loader.timeout, worker_init_fn=loader.worker_init_fn,
-                  multiprocessing_context=loader.multiprocessing_context, generator=loader.generator,
-                  persistent_workers=loader.persistent_workers)
+    return _rebuild(loader, loader.dataset, sampler=distributed)
+
+
+def _rebuild(loader: DataLoader, dataset, **extra) -> DataLoader:
+    """`loader` built again over `dataset`, with the same settings (and `extra`)."""
+    kwargs = dict(batch_size=loader.batch_size, num_workers=loader.num_workers, collate_fn=loader.collate_fn,
+                  pin_memory=loader.pin_memory, drop_last=loader.drop_last, timeout=loader.timeout,
+                  worker_init_fn=loader.worker_init_fn, multiprocessing_context=loader.multiprocessing_context,
+                  generator=loader.generator, persistent_workers=loader.persistent_workers, **extra)
     if loader.num_workers > 0:
         kwargs["prefetch_factor"] = loader.prefetch_factor
-    return type(loader)(loader.dataset, **kwargs)
+    return type(loader)(dataset, **kwargs)
+
+
+def _shard_stream(loader: DataLoader, process: Process) -> DataLoader:
+    """A DataLoader over an IterableDataset, rebuilt over the dataset's own `shard(rank, world_size)`."""
+    shard = getattr(loader.dataset, "shard", None)
+    if not callable(shard):
+        raise TypeError(_(
+            "cannot split a DataLoader over an IterableDataset ({dataset}) across {ranks} ranks: a stream has no "
+            "sampler, so DistributedSampler cannot be used. Give {dataset} a method shard(rank, world_size) that "
+            "returns the dataset of that rank's share: in __iter__, keep every world_size-th item starting at rank "
+            "(and split that again by DataLoader worker with torch.utils.data.get_worker_info()), with the same "
+            "number of batches on every rank. The Trainer calls it.").format(
+            dataset=type(loader.dataset).__name__, ranks=process.world_size))
+    return _rebuild(loader, shard(process.rank, process.world_size))
 
 
 def all_sum(values: torch.Tensor, process: Process | None) -> torch.Tensor:
@@ -177,13 +202,51 @@ def all_sum(values: torch.Tensor, process: Process | None) -> torch.Tensor:
     return values
 
 
-def agree(flag: bool, process: Process | None) -> bool:
-    """True on every rank if `flag` is True on any rank. A CPU all-reduce (no GPU sync)."""
-    if process is None:
-        return flag
-    t = torch.tensor([1 if flag else 0])
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=process.cpu_group)
-    return bool(t.item())
+class StopVote:
+    """Whether any rank wants to stop, agreed by all ranks without waiting at every step.
+
+        vote = StopVote(process)
+        wish = vote(local_wish)   # every step: post this step's wish, get the agreed one of the step before
+        wish = vote.settle(local_wish)   # an epoch's end: wait for everything posted, and this wish too
+
+    A wish is an int (0: go on; larger wins: 1 StopTraining, 2 Ctrl-C or SIGTERM). Each call posts an asynchronous
+    all-reduce (MAX) on the CPU group and waits for the one posted at the previous call, which finished while this
+    step ran: no blocking round trip per step. Every rank gets the same answers in the same order, so every rank
+    stops at the same step: the step after the one where the wish was made. Outside a distributed run a wish is
+    its own answer, at once.
+    """
+
+    def __init__(self, process: Process | None):
+        self.process = process
+        self._pending = None  # (work, tensor) of the last posted wish
+
+    def _post(self, wish: int) -> None:
+        t = torch.tensor([wish], dtype=torch.int64)
+        work = dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.process.cpu_group, async_op=True)
+        self._pending = (work, t)
+
+    def _read(self) -> int:
+        if self._pending is None:
+            return 0
+        work, t = self._pending
+        self._pending = None
+        work.wait()  # posted a step ago on every rank: done already, nothing to wait for
+        return int(t.item())
+
+    def __call__(self, wish: int) -> int:
+        if self.process is None:
+            return wish
+        agreed = self._read()
+        self._post(wish)
+        return agreed
+
+    def settle(self, wish: int = 0) -> int:
+        """The agreed wish, counting everything posted so far and `wish`: a blocking round trip."""
+        if self.process is None:
+            return wish
+        agreed = self._read()
+        self._post(wish)
+        return max(agreed, self._read())
 
 
 def gather_objects(obj, process: Process | None) -> list:

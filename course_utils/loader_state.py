@@ -31,6 +31,8 @@ from torch.utils.data import DataLoader, IterableDataset
 from .checkpoint import generator_state, rng_state, set_generator_state, set_rng_state
 from .i18n import _
 
+_END = object()
+
 
 def _generators(loader: DataLoader) -> list[torch.Generator]:
     """The generators a DataLoader's order depends on besides the global one: its own and its samplers'."""
@@ -78,10 +80,23 @@ class LoaderState:
         if callable(set_epoch):
             set_epoch(number)
         pending, self._pending = self._pending, None
+        if pending is not None and pending.get("finished"):  # stopped after its last batch: nothing left
+            if self.kind == "stateful":
+                # An exhausted loader's next pass hangs on its generators: put them back as they were. Its own
+                # state after the last batch is not reloaded when it has generators: torchdata's
+                # StatefulDataLoader without workers would then shuffle the next epoch differently.
+                if pending["generators"]:
+                    self._set_generators(pending["generators"])
+                else:
+                    self.loader.load_state_dict(pending["state"])
+            return iter(())
         if self.kind == "stateful":
-            if pending is not None:
-                self.loader.load_state_dict(pending["state"])
-            return iter(self.loader)
+            if pending is None:
+                return iter(self.loader)
+            self.loader.load_state_dict(pending["state"])
+            if "batches_done" not in pending:  # saved between epochs: a fresh pass from the saved order
+                return iter(self.loader)
+            return self._then_set_generators(iter(self.loader), pending["generators"])
         if pending is None:
             self._epoch_start = self._record_start()
             return iter(self.loader)
@@ -94,6 +109,18 @@ class LoaderState:
             raise ValueError(f"cannot resume: the checkpoint is {pending['batches_done']} batches into an epoch, "
                              f"but this loader has only {skipped} batches an epoch")
         return it
+
+    def _then_set_generators(self, it: Iterator, states: list) -> Iterator:
+        """`it`, with the loader's generators put back as they were when the position was saved once its first
+        batch is drawn (or it turns out empty): a resumed loader may draw from them to rebuild its order
+        (torchdata's StatefulDataLoader does without workers), which the uninterrupted run did not do."""
+        first = next(it, _END)
+        if states:
+            self._set_generators(states)
+        if first is _END:
+            return
+        yield first
+        yield from it
 
     def _record_start(self) -> dict[str, Any] | None:
         if self.kind != "dataloader":
@@ -138,10 +165,17 @@ class LoaderState:
                      "cannot be saved. Use persistent_workers=False, or torchdata's StatefulDataLoader.")
         return None
 
-    def state_dict(self, batches_done: int | None = None) -> dict[str, Any]:
-        """Where the loader is: `batches_done` batches into the current epoch, or (None) between epochs."""
+    def state_dict(self, batches_done: int | None = None, finished: bool = False) -> dict[str, Any]:
+        """Where the loader is: `batches_done` batches into the current epoch, or (None) between epochs.
+        `finished`: the epoch's pass is over (its last batch drawn) but the epoch is not closed yet; the next
+        `epoch()` after loading this state yields nothing, and the one after it starts the next epoch."""
+        if finished:
+            return {**self.state_dict(), "finished": True, "generators": self._generator_states()}
         if self.kind == "stateful":  # the loader's own state knows whether it is inside an epoch
-            return {"kind": self.kind, "state": self.loader.state_dict()}
+            state = {"kind": self.kind, "state": self.loader.state_dict()}
+            if batches_done is not None:
+                state.update(batches_done=batches_done, generators=self._generator_states())
+            return state
         if batches_done is None:  # between epochs: the next epoch's order depends on the generators' state now
             return {"kind": self.kind, "generators": self._generator_states() if self.kind == "dataloader" else []}
         return {"kind": self.kind, "batches_done": batches_done, "epoch_start": self._epoch_start}
@@ -159,9 +193,9 @@ class LoaderState:
             found = state.get("kind") if isinstance(state, dict) else None
             raise ValueError(f"cannot resume: the checkpoint was saved with a loader of kind {found!r}, "
                              f"this trainer's loader ({type(self.loader).__name__}) is of kind {self.kind!r}")
-        if "generators" in state:
-            if self.kind == "dataloader":  # only a DataLoader's order hangs on generators of its own
-                self._set_generators(state["generators"])
-            self._pending = None
-        else:
+        if "batches_done" in state or self.kind == "stateful":  # the next epoch() continues (or loads) it
             self._pending = state
+            return
+        if self.kind == "dataloader":  # between epochs: the next order hangs on the loader's own generators
+            self._set_generators(state["generators"])
+        self._pending = state if state.get("finished") else None

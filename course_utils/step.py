@@ -20,7 +20,7 @@ Importing this module touches no device.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -32,26 +32,36 @@ Batch = tuple[Any, Any]  # (inputs, targets); inputs a tensor or a tuple/list of
 
 
 def batch_len(x) -> int:
-    """Number of samples in `x`: a tensor's first dimension, or that of the first tensor of a tuple/list."""
+    """Number of samples in `x`: a tensor's first dimension, or that of the first tensor of a tuple/list/dict."""
     if isinstance(x, torch.Tensor):
         if x.dim() == 0:
             raise ValueError(_("a batch must have a batch dimension (got a 0-d tensor)"))
         return x.shape[0]
-    if isinstance(x, (list, tuple)) and x and all(isinstance(t, torch.Tensor) for t in x):
-        return batch_len(x[0])
-    raise TypeError(_("a batch must be a tensor or a tuple/list of tensors, got {type}").format(type=type(x).__name__))
+    values = list(x.values()) if isinstance(x, Mapping) else x
+    if isinstance(values, (list, tuple)) and values and all(isinstance(t, torch.Tensor) for t in values):
+        return batch_len(values[0])
+    raise TypeError(_("a batch must be a tensor or a tuple/list/dict of tensors, got {type}").format(
+        type=type(x).__name__))
 
 
 def split(x, size: int) -> list:
-    """`x` (a tensor or a tuple/list of tensors) cut into consecutive chunks of `size` samples (views, no copy)."""
+    """`x` (a tensor or a tuple/list/dict of tensors) cut into consecutive chunks of `size` samples (views)."""
     if isinstance(x, torch.Tensor):
         return list(x.split(size))
+    if isinstance(x, Mapping):
+        parts = {k: split(t, size) for k, t in x.items()}
+        return [dict(zip(parts, p)) for p in zip(*parts.values())]
     parts = [split(t, size) for t in x]
+    if hasattr(x, "_fields"):  # a namedtuple
+        return [type(x)(*p) for p in zip(*parts)]
     return [type(x)(p) for p in zip(*parts)]
 
 
 def forward(model: nn.Module, inputs):
-    """`model(inputs)`, or `model(*inputs)` when the inputs are a tuple/list of tensors (a model with several)."""
+    """`model(inputs)`; `model(*inputs)` for a tuple/list of tensors (a model with several inputs), and
+    `model(**inputs)` for a dict (keyword inputs, as Hugging Face models take them)."""
+    if isinstance(inputs, Mapping):
+        return model(**inputs)
     return model(*inputs) if isinstance(inputs, (list, tuple)) else model(inputs)
 
 

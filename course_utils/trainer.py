@@ -12,8 +12,11 @@ out-of-memory recovery); the loop has no branches for them. Checkpoints resume e
 """
 from __future__ import annotations
 
+import copy
+import math
 import signal
 import threading
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
@@ -22,29 +25,45 @@ from torch import nn
 from . import checkpoint as ckpt
 from . import distributed
 from .amp import MixedPrecision
-from .callbacks import HOOKS, Callback, Checkpoint, LRScheduler, StopTraining, overridden
-from .checkpoint import CheckpointError, EpochPosition
+from .callbacks import HOOKS, Callback, Checkpoint, LRScheduler, StopTraining, overridden, warn_unknown_hooks
+from .checkpoint import CheckpointError, EpochPosition, NonFiniteLossError
 from .device import get_device
 from .loader_state import LoaderState
 from .memory import ResilientStep, check_fits, warn_if_too_big
-from .step import TrainStep, batch_len
+from .step import TrainStep, batch_len, forward
 from .i18n import _
 
-__all__ = ["Callback", "CheckpointError", "StopTraining", "Trainer", "move_batch", "read_checkpoint"]
+__all__ = ["Callback", "CheckpointError", "NonFiniteLossError", "StopTraining", "Trainer", "move_batch",
+           "read_checkpoint"]
+
+GO_ON, STOP, INTERRUPT = 0, 1, 2  # what a rank wishes after a step; the largest wish over ranks wins
 
 
 def move_batch(batch, device: torch.device, non_blocking: bool = True):
-    """Move a batch (tensor, or tuple/list/dict of them) to `device`. Tensors already there are not copied."""
+    """Move a batch (a tensor, or a tuple, list, namedtuple or mapping of them, nested) to `device`, keeping
+    each container's type. Tensors already there are not copied."""
     if type(batch) is tuple and len(batch) == 2:  # the usual (inputs, targets): skip the work if already there
         x, y = batch
         if isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) and x.device == device and y.device == device:
             return batch
     if isinstance(batch, torch.Tensor):
         return batch.to(device, non_blocking=non_blocking)
+    if isinstance(batch, Mapping):
+        moved = {k: move_batch(v, device, non_blocking) for k, v in batch.items()}
+        try:
+            return type(batch)(moved)  # dict, OrderedDict, a Hugging Face BatchEncoding...
+        except TypeError:  # a mapping type that cannot be built from a dict (defaultdict needs its factory)
+            copy_ = copy.copy(batch)
+            copy_.update(moved)
+            return copy_
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # a namedtuple: built from positional fields
+        return type(batch)(*(move_batch(b, device, non_blocking) for b in batch))
     if isinstance(batch, (list, tuple)):
-        return type(batch)(move_batch(b, device, non_blocking) for b in batch)
-    if isinstance(batch, dict):
-        return {k: move_batch(v, device, non_blocking) for k, v in batch.items()}
+        moved = [move_batch(b, device, non_blocking) for b in batch]
+        try:
+            return type(batch)(moved)
+        except TypeError:
+            return moved if isinstance(batch, list) else tuple(moved)
     return batch
 
 
@@ -81,7 +100,24 @@ class _DeferInterrupt:
 
 
 def _reason(stop: StopTraining) -> str:
-    return str(stop) or "a callback raised StopTraining"
+    return str(stop) or _("a callback raised StopTraining")
+
+
+def _pair(batch, batch_fn):
+    """(inputs, targets) of one loader batch: `batch_fn(batch)` when given, else the batch itself."""
+    if batch_fn is not None:
+        batch = batch_fn(batch)
+    if isinstance(batch, (tuple, list)) and len(batch) == 2:
+        return batch
+    if isinstance(batch, Mapping):
+        raise TypeError(_("the loader yields dicts (keys {keys}), and the Trainer needs (inputs, targets): say which "
+                          "entries they are with batch_fn, e.g. Trainer(..., batch_fn=lambda b: (b[\"input_ids\"], "
+                          "b[\"labels\"])); inputs may be a dict too, passed to the model as keyword arguments").format(
+            keys=sorted(map(str, batch))))
+    raise TypeError(_("a batch must be (inputs, targets), got a {type}{size}; pass batch_fn=... to turn the "
+                      "loader's batches into (inputs, targets)").format(
+        type=type(batch).__name__, size=_(" of {n} items").format(n=len(batch)) if isinstance(batch, (tuple, list))
+        else ""))
 
 
 def _precision(mixed_precision, device: torch.device) -> MixedPrecision:
@@ -109,29 +145,53 @@ class Trainer:
       oom_recovery: on an out-of-memory error, run the same step again in smaller chunks
           (`course_utils.memory.ResilientStep`); no data is skipped and the update is unchanged. Works with
           `accumulate`: every batch of the group is split.
+      batch_fn: turns each batch the loader yields into (inputs, targets), e.g. for dict batches (what Hugging
+          Face datasets yield): `batch_fn=lambda b: (b["input_ids"], b["labels"])`. Inputs may be a tuple
+          (`model(*inputs)`) or a dict (`model(**inputs)`).
     Callbacks (`course_utils.callbacks`): anything else. Two are common enough to have a shortcut:
       scheduler: a learning-rate scheduler stepped once per epoch (`LRScheduler(s, interval="step")` steps
           it after every optimizer step).
       checkpoint: a file path (`Checkpoint(path)`): the full state is written there atomically after every
           epoch and when training stops early. `Trainer.load_checkpoint(path)` resumes exactly.
 
+    Stopping and resuming. A Ctrl-C (Jupyter's interrupt button) or a callback's `StopTraining` takes effect at
+    the next step boundary: the step in progress (all batches of an accumulation group) finishes, then training
+    stops, so every stop lies between two optimizer steps. Calling the trainer again, or loading the checkpoint
+    in a new process, continues from there and ends bit-identical to an uninterrupted run (weights, optimizer,
+    loss history, random state), for the course's TensorLoader, torch DataLoaders (with or without workers,
+    samplers, generators), torchdata's StatefulDataLoader and lists; `course_utils.loader_state` says what
+    cannot be restored (random draws inside persistent workers; an arbitrary iterable's order), at save time.
+    A second Ctrl-C interrupts at once, possibly inside a step: that step is dropped and the resume is not exact.
+
+    A non-finite loss (inf or nan) is noticed at the end of its epoch, where the Trainer reads the loss anyway
+    (no extra sync per step): training stops with a `NonFiniteLossError` naming the first bad batch, and no
+    checkpoint is ever written with non-finite weights (the last good one stays). `callbacks.CheckFinite()` checks
+    every step instead, at the cost of a sync per step. Under fp16 a GradScaler skips such steps: that is its job.
+
     Under `torchrun` the same script trains data-parallel (`course_utils.distributed`): the model is wrapped in
     DistributedDataParallel (`trainer.train_model`; `trainer.model` stays your module), each process gets its
     share of every epoch, and the loader's `batch_size` is per process, as in PyTorch: the global batch is
     `world_size x batch_size x accumulate`. Losses and validation figures are global; rank 0 prints and writes
-    checkpoints (`trainer.is_main`). `sync_batchnorm=True` converts BatchNorm layers to SyncBatchNorm (GPUs only).
+    checkpoints (`trainer.is_main`), with every rank's random and loader state, so a resume in a new torchrun
+    continues each rank exactly. A stop wished on any rank (Ctrl-C, StopTraining, at a step or at an epoch's end)
+    stops every rank at the same step, with its reason; agreeing costs no blocking round trip per step
+    (`distributed.StopVote`), so a wish made at step k stops all ranks after step k+1.
+    `sync_batchnorm=True` converts BatchNorm layers to SyncBatchNorm (GPUs only).
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn, train_loader,
                  device=None, callbacks=(), *, val_loader=None, mixed_precision=False, accumulate: int = 1,
                  grad_clip: float | None = None, oom_recovery: bool = False, checkpoint=None, scheduler=None,
-                 sync_batchnorm: bool = False):
+                 sync_batchnorm: bool = False, batch_fn=None):
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
         if isinstance(accumulate, bool) or not isinstance(accumulate, int) or accumulate < 1:
             raise ValueError(f"accumulate must be a positive int, got {accumulate!r}")
+        if batch_fn is not None and not callable(batch_fn):
+            raise TypeError(f"batch_fn must be a function of a batch, got {type(batch_fn).__name__}")
+        _check_optimizer_holds(model, optimizer)
         device = device if isinstance(device, torch.device) else get_device(device)
         # Under torchrun: join the process group; one GPU per local rank (or the CPU, with gloo).
         self.process = distributed.setup(device.type)
@@ -154,6 +214,7 @@ class Trainer:
         self.train_loader = train_loader
         self.val_loader = val_loader
         self.accumulate = accumulate
+        self.batch_fn = batch_fn
         self.precision = _precision(mixed_precision, self.device)
         self.train_step = TrainStep(self.train_model, optimizer, loss_fn, self.precision, grad_clip)
         self.step = ResilientStep.around(self.train_step) if oom_recovery else self.train_step
@@ -163,6 +224,7 @@ class Trainer:
         if checkpoint is not None:
             self.callbacks.append(Checkpoint(checkpoint))
         self._loader = LoaderState(train_loader)
+        self._vote = distributed.StopVote(self.process)
         self.history: list[float] = []
         self.logs: list[dict] = []
         self.epoch = 0               # finished epochs
@@ -173,6 +235,9 @@ class Trainer:
         self.interrupted = False
         self.stop_reason: str | None = None
         self.epochs_this_call = 0
+        self._requested: str | None = None  # a StopTraining raised on this rank, acted on at the step boundary
+        self._losses: list[torch.Tensor] = []  # this epoch's batch losses (device tensors: kept, never read per step)
+        self._first_loss_batch = 0   # the batch of the epoch that _losses[0] belongs to
         self._memory_checked = False  # the memory check runs once, before this trainer's first step
         self.memory_check = None      # its result: a course_utils.memory.FitCheck, or None where nothing is known
 
@@ -181,6 +246,8 @@ class Trainer:
     def _connect(self) -> dict[str, list]:
         """The callbacks' overridden hooks, in `order`; the step calls its two hooks only if someone listens."""
         ordered = sorted(self.callbacks, key=lambda cb: getattr(cb, "order", 0))
+        for cb in ordered:
+            warn_unknown_hooks(cb)
         hooks = {name: [getattr(cb, name) for cb in ordered if overridden(cb, name)] for name in HOOKS}
         self.train_step.after_backward = self._caller(hooks["on_after_backward"])
         self.train_step.before_optimizer_step = self._caller(hooks["on_before_optimizer_step"])
@@ -192,15 +259,35 @@ class Trainer:
         return lambda: self._emit(fns)
 
     def _emit(self, fns: list, *args) -> None:
-        """Call every hook in `fns`; a StopTraining from one is raised after all of them had the event."""
-        stop = None
+        """Call every hook in `fns`. A StopTraining is noted (`_requested`), not raised: the Trainer acts on it at
+        the next step boundary, or at once between epochs, after every hook had the event."""
         for fn in fns:
             try:
                 fn(self, *args)
             except StopTraining as exc:
-                stop = stop or exc
-        if stop is not None:
-            raise stop
+                if self._requested is None:
+                    self._requested = _reason(exc)
+
+    def _wish(self, interrupt) -> int:
+        if interrupt is not None and interrupt.requested:
+            return INTERRUPT
+        return STOP if self._requested is not None else GO_ON
+
+    def _agreed_reason(self) -> str:
+        """The reason of the StopTraining every rank agreed on (raised on this rank or another): a collective,
+        run only when all ranks stop at the same point."""
+        reasons = distributed.gather_objects(self._requested, self.process)
+        return next((r for r in reasons if r is not None), _("a callback raised StopTraining"))
+
+    def _stop_between_epochs(self, fns: list, *args) -> bool:
+        """Run the hooks of a point between epochs; True (stop_reason set) if any rank raised StopTraining."""
+        self._emit(fns, *args)
+        wish = self._vote.settle(STOP if self._requested is not None else GO_ON)  # once an epoch: a round trip
+        if wish == GO_ON:
+            return False
+        self.stop_reason = self._agreed_reason()
+        self._requested = None
+        return True
 
     # --- epochs ------------------------------------------------------------------------------
 
@@ -215,16 +302,16 @@ class Trainer:
             self._samples = self.batch_in_epoch = 0
         else:
             ckpt.set_rng_state(position.rng)
-            main = self.process is None or self.process.is_main  # the saved sums are global: count them once
-            self._loss_sum = torch.tensor(position.loss_sum if main else 0.0, device=self.device)
-            self._samples = position.samples_done if main else 0
+            self._loss_sum = torch.tensor(position.loss_sum, device=self.device)  # this rank's own float32 sum
+            self._samples = position.samples_done
             self.batch_in_epoch = position.batches_done
+        self._losses, self._first_loss_batch = [], self.batch_in_epoch
         batch_start, batch_end = hooks["on_batch_start"], hooks["on_batch_end"]
         after_step = hooks["on_after_optimizer_step"]
         group: list = []
         try:
             for batch in batches:
-                batch = move_batch(batch, self.device)
+                batch = move_batch(_pair(batch, self.batch_fn), self.device)
                 if batch_start:
                     self._emit(batch_start, batch)
                 group.append(batch)
@@ -232,37 +319,66 @@ class Trainer:
                     continue
                 self._step(group, after_step, batch_end)
                 group = []
-                requested = interrupt is not None and interrupt.requested
-                if self.process is not None:  # a Ctrl-C that reached one rank stops all of them here
-                    requested = distributed.agree(requested, self.process)
-                if requested:
-                    raise KeyboardInterrupt
+                wish = self._vote(self._wish(interrupt))  # another rank's wish arrives one step later
+                if wish != GO_ON:
+                    return self._stop_inside_epoch(wish)
             if group:  # the last, smaller group of the epoch
                 self._step(group, after_step, batch_end)
-        except (KeyboardInterrupt, StopTraining) as exc:
-            # Deferred Ctrl-C or StopTraining: we stop between two steps. An undeferred Ctrl-C (a second one) may
-            # land inside a step: its gradients are dropped, finished steps are kept.
-            self.optimizer.zero_grad(set_to_none=True)
-            if isinstance(exc, StopTraining):
-                self.stop_reason = _reason(exc)
-            loss_sum, samples = self._global_sums()
-            self.position = EpochPosition(self.batch_in_epoch, samples, loss_sum, ckpt.rng_state(),
-                                          self._loader.state_dict(self.batch_in_epoch))
-            self._loader.load_state_dict(self.position.loader)  # a next call continues here, also in this process
-            return None
-        if self._samples == 0:
-            raise ValueError("train_loader produced no batches")
+        except KeyboardInterrupt:  # a second Ctrl-C, anywhere (maybe inside a step): that step is dropped
+            return self._stop_inside_epoch(INTERRUPT)
+        wish = self._vote.settle(self._wish(interrupt))  # epoch end: every rank's last wishes
+        if wish != GO_ON:
+            return self._stop_inside_epoch(wish, finished=True)
         if self.process is None:
-            return (self._loss_sum / self._samples).item()  # the one CPU-GPU sync point of the epoch
-        loss_sum, samples = self._global_sums()
-        return loss_sum / samples
+            if self._samples == 0:
+                raise ValueError("train_loader produced no batches")
+            mean = (self._loss_sum / self._samples).item()  # the one CPU-GPU sync point of the epoch
+        else:
+            loss_sum, samples = self._global_sums()
+            mean = loss_sum / samples
+        if not math.isfinite(mean) and self.precision.scaler is None:
+            self._raise_non_finite(mean)
+        return mean
+
+    def _stop_inside_epoch(self, wish: int, finished: bool = False) -> None:
+        """Stop between two steps of this epoch (every rank at the same one) and keep the position. `finished`:
+        after the epoch's last step, before it is closed (its mean, validation and epoch-end hooks run on resume)."""
+        self.optimizer.zero_grad(set_to_none=True)
+        self._vote.settle()  # nothing left in flight
+        if wish == STOP:
+            self.stop_reason = self._agreed_reason()
+        self._requested = None
+        self.position = EpochPosition(self.batch_in_epoch, self._samples, self._loss_sum.item(), ckpt.rng_state(),
+                                      self._loader.state_dict(self.batch_in_epoch, finished))
+        self._loader.load_state_dict(self.position.loader)  # a next call continues here, also in this process
+        return None
 
     def _global_sums(self) -> tuple[float, int]:
-        """(sum of the loss over the epoch's samples so far, their number), over all ranks: a sync point."""
+        """(sum of the loss over the epoch's samples, their number), over all ranks: a sync point."""
         sums = torch.stack([self._loss_sum.double(), torch.tensor(float(self._samples), dtype=torch.float64,
                                                                   device=self._loss_sum.device)])
         loss_sum, samples = distributed.all_sum(sums, self.process).tolist()
         return loss_sum, int(samples)
+
+    def _raise_non_finite(self, mean: float) -> None:
+        """The epoch's loss is not finite: name the first bad batch (over all ranks) and stop."""
+        bad = None
+        if self._losses:
+            finite = torch.stack([x.float() for x in self._losses]).isfinite()
+            if not finite.all():
+                index = int((~finite).nonzero()[0])
+                bad = (self._first_loss_batch + index + 1, float(self._losses[index]))
+        found = [(b, rank) for rank, b in enumerate(distributed.gather_objects(bad, self.process)) if b is not None]
+        (batch, value), rank = min(found) if found else ((self.batch_in_epoch, mean), 0)
+        where = _("epoch {epoch}, batch {batch}").format(epoch=self.epoch + 1, batch=batch)
+        if self.process is not None:
+            where += _(" on rank {rank}").format(rank=rank)
+        raise NonFiniteLossError(_(
+            "the loss became {value} at {where}: training stopped at the end of that epoch. The weights are "
+            "probably not finite any more; no checkpoint was written (the last good one is kept). Usual causes: a "
+            "learning rate too high, log or division by zero in the loss, float16 overflow (mixed_precision='fp16' "
+            "scales the loss). callbacks=[CheckFinite()] stops at the bad step itself (one sync a step).").format(
+            value=value, where=where))
 
     def _step(self, group, after_step, batch_end) -> None:
         if not self._memory_checked:
@@ -274,6 +390,7 @@ class Trainer:
         for (_inputs, targets), loss in zip(group, losses):
             n = batch_len(targets)
             self._loss_sum.add_(loss, alpha=n)  # one fused op: sum += n * loss
+            self._losses.append(loss)
             self._samples += n
             self.batch_in_epoch += 1
             self.batches_trained += 1
@@ -298,13 +415,18 @@ class Trainer:
         losses = []
         self.interrupted = False
         self.stop_reason = None
+        self._requested = None
         self.epochs_this_call = epochs
         hooks = self._connect()
         try:
-            self._emit(hooks["on_train_start"])
+            if self._stop_between_epochs(hooks["on_train_start"]):
+                self._stopped_early(between_epochs=True)
+                return losses
             with _DeferInterrupt() as interrupt:
                 for _epoch in range(epochs):
-                    self._emit(hooks["on_epoch_start"])
+                    if self._stop_between_epochs(hooks["on_epoch_start"]):
+                        self._stopped_early(between_epochs=True)
+                        break
                     mean_loss = self.train_epoch(interrupt, hooks)
                     if mean_loss is None:
                         self._stopped_early()
@@ -318,16 +440,15 @@ class Trainer:
                     losses.append(mean_loss)
                     self.epoch += 1
                     self.batch_in_epoch = 0
-                    try:
-                        self._emit(hooks["on_epoch_end"], logs)
-                    except StopTraining as exc:
-                        self.stop_reason = _reason(exc)
+                    self._losses = []
+                    if self._stop_between_epochs(hooks["on_epoch_end"], logs):
                         if self.is_main:
                             print(_("Training stopped after epoch {epoch}: {reason}.").format(
                                 epoch=self.epoch, reason=self.stop_reason))
                         break
         finally:
             self._emit(hooks["on_train_end"])
+            self._requested = None
         return losses
 
     def where(self) -> str:
@@ -339,11 +460,15 @@ class Trainer:
         return _("epoch {epoch}, batch {batch} of {total}").format(epoch=self.epoch + 1, batch=self.batch_in_epoch,
                                                                    total=total)
 
-    def _stopped_early(self) -> None:
+    def _stopped_early(self, between_epochs: bool = False) -> None:
         if not self.is_main:
             self.interrupted = self.stop_reason is None
             return
         if self.stop_reason is not None:
+            if between_epochs:
+                print(_("Training stopped before epoch {epoch}: {reason}.").format(epoch=self.epoch + 1,
+                                                                                  reason=self.stop_reason))
+                return
             print(_("Training stopped at {where}: {reason}. Call the trainer again to continue.").format(
                 where=self.where(), reason=self.stop_reason))
             return
@@ -363,9 +488,9 @@ class Trainer:
         correct = torch.zeros((), device=self.device, dtype=torch.float64)
         count = 0
         for batch in loader:
-            inputs, targets = move_batch(batch, self.device)
+            inputs, targets = move_batch(_pair(batch, self.batch_fn), self.device)
             with self.precision.autocast():
-                logits = self.model(inputs)  # the model itself: no DistributedDataParallel collectives here
+                logits = forward(self.model, inputs)  # the model itself: no DistributedDataParallel collectives
             total_loss += self.loss_fn(logits.float(), targets) * len(targets)
             correct += (logits.argmax(1) == targets).sum()
             count += len(targets)
@@ -383,16 +508,24 @@ class Trainer:
 
     # --- checkpoints -----------------------------------------------------------------------------
 
+    def _rank_state(self) -> dict:
+        """What differs between ranks: the random generators, the loader's position, where the epoch stopped."""
+        position = self.position
+        return {"rng": ckpt.rng_state(),
+                "loader": position.loader if position is not None else self._loader.state_dict(),
+                "position": position.to_dict() if position is not None else None}
+
     def state_dict(self) -> dict:
         """Everything needed to continue this run exactly: weights, optimizer, precision (loss scale), the
-        step's micro-batch size, the callbacks' states, RNGs, the loader's position, the counters."""
-        position = self.position
-        if position is not None:
+        step's micro-batch size, the callbacks' states, the counters, and for every rank its random
+        generators and loader position (a collective in a distributed run: every rank calls it)."""
+        if self.position is not None:
             self._loader.warn_if_inexact()
         return {
             "format": ckpt.FORMAT,
             "model": self.model.state_dict(),
             "optimizer": self.optimizer.state_dict(),
+            "optimizer_class": type(self.optimizer).__name__,
             "precision": self.precision.state_dict(),
             "step": self.step.state_dict(),
             "callbacks": [{"class": type(cb).__name__, "state": cb.state_dict()} for cb in self.callbacks],
@@ -402,34 +535,88 @@ class Trainer:
             "history": list(self.history),
             "logs": [dict(x) for x in self.logs],
             "world_size": self.process.world_size if self.process is not None else 1,
-            # every rank's generators (they differ: dropout masks, augmentations), rank 0's first
-            "rng": distributed.gather_objects(ckpt.rng_state(), self.process),
-            "loader": position.loader if position is not None else self._loader.state_dict(),
-            "position": position.to_dict() if position is not None else None,
+            "ranks": distributed.gather_objects(self._rank_state(), self.process),  # rank 0's first
         }
 
-    def load_state_dict(self, state: dict) -> None:
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.precision.load_state_dict(state["precision"])
-        self.step.load_state_dict(state["step"])
-        self._load_callbacks(state["callbacks"])
-        self.epoch = state["epoch"]
-        self.batches_trained = state["batches_trained"]
-        self.optimizer_steps = state["optimizer_steps"]
-        self.history = list(state["history"])
-        self.logs = [dict(x) for x in state["logs"]]
-        rngs = state["rng"] if isinstance(state["rng"], list) else [state["rng"]]
-        rank = self.process.rank if self.process is not None else 0
-        ckpt.set_rng_state(rngs[rank] if rank < len(rngs) else rngs[0])
+    def _check_fits(self, state: dict) -> dict:
+        """Everything `load_state_dict` will touch, checked before anything changes; returns this rank's part.
+        Raises ValueError naming the first mismatch."""
+        missing = [k for k in ("model", "optimizer", "precision", "step", "callbacks", "epoch", "batches_trained",
+                               "optimizer_steps", "history", "logs", "ranks", "optimizer_class") if k not in state]
+        if missing:
+            raise ValueError(_("the checkpoint lacks {keys}").format(keys=", ".join(missing)))
+        ckpt.check_model_state(self.model, state["model"])
+        ckpt.check_optimizer_state(self.optimizer, state["optimizer"], state.get("optimizer_class"))
+        if not isinstance(state["precision"], dict) or "scaler" not in state["precision"]:
+            raise ValueError(_("the checkpoint's precision state is not a MixedPrecision state"))
+        available: dict[str, int] = {}
+        for cb in self.callbacks:
+            available[type(cb).__name__] = available.get(type(cb).__name__, 0) + 1
+        for entry in state["callbacks"]:
+            if available.get(entry["class"], 0) > 0:
+                available[entry["class"]] -= 1
+            elif entry["state"]:
+                raise ValueError(_("the checkpoint holds the state of a {name} callback, which this trainer does not "
+                                   "have; pass one (e.g. the same scheduler) to resume exactly").format(
+                    name=entry["class"]))
         world = self.process.world_size if self.process is not None else 1
-        if state["position"] is not None and state.get("world_size", 1) != world:
-            raise ValueError(f"the checkpoint stopped inside an epoch of a run with {state.get('world_size', 1)} "
-                             f"process(es); resume it with the same number (this run has {world}), or resume "
-                             "from a checkpoint written at the end of an epoch")
-        self._loader.load_state_dict(state["loader"])
-        self.position = EpochPosition.from_dict(state["position"]) if state["position"] is not None else None
-        self.batch_in_epoch = self.position.batches_done if self.position is not None else 0
+        ranks = state["ranks"]
+        mine = ranks[self.process.rank if self.process is not None and self.process.rank < len(ranks) else 0]
+        if mine["position"] is not None and state.get("world_size", 1) != world:
+            raise ValueError(_("the checkpoint stopped inside an epoch of a run with {saved} process(es); resume it "
+                               "with the same number (this run has {world}), or from a checkpoint written at the end "
+                               "of an epoch").format(saved=state.get("world_size", 1), world=world))
+        kind = mine["loader"].get("kind") if isinstance(mine["loader"], dict) else None
+        if kind != self._loader.kind:
+            raise ValueError(_("the checkpoint was saved with a loader of kind {saved!r}; this trainer's loader "
+                               "({name}) is of kind {kind!r}: build the same kind of loader").format(
+                saved=kind, name=type(self.train_loader).__name__, kind=self._loader.kind))
+        return mine
+
+    def _snapshot(self) -> dict:
+        """The state `load_state_dict` changes, copied, to put back if loading fails half-way."""
+        return {"model": {k: v.clone() for k, v in self.model.state_dict().items()},
+                "optimizer": copy.deepcopy(self.optimizer.state_dict()),
+                "precision": copy.deepcopy(self.precision.state_dict()), "step": self.step.state_dict(),
+                "callbacks": [copy.deepcopy(cb.state_dict()) for cb in self.callbacks],
+                "counters": (self.epoch, self.batches_trained, self.optimizer_steps, list(self.history),
+                             [dict(x) for x in self.logs], self.position, self.batch_in_epoch),
+                "rng": ckpt.rng_state(), "loader": copy.copy(self._loader.__dict__)}
+
+    def _restore(self, snap: dict) -> None:
+        self.model.load_state_dict(snap["model"])
+        self.optimizer.load_state_dict(snap["optimizer"])
+        self.precision.load_state_dict(snap["precision"])
+        self.step.load_state_dict(snap["step"])
+        for cb, cb_state in zip(self.callbacks, snap["callbacks"]):
+            cb.load_state_dict(cb_state)
+        (self.epoch, self.batches_trained, self.optimizer_steps, self.history, self.logs, self.position,
+         self.batch_in_epoch) = snap["counters"]
+        ckpt.set_rng_state(snap["rng"])
+        self._loader.__dict__.update(snap["loader"])
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore `state_dict()`: all of it or, if anything does not fit, none of it (ValueError naming why)."""
+        mine = self._check_fits(state)
+        snapshot = self._snapshot()
+        try:
+            self.model.load_state_dict(state["model"])
+            self.optimizer.load_state_dict(state["optimizer"])
+            self.precision.load_state_dict(state["precision"])
+            self.step.load_state_dict(state["step"])
+            self._load_callbacks(state["callbacks"])
+            self.epoch = state["epoch"]
+            self.batches_trained = state["batches_trained"]
+            self.optimizer_steps = state["optimizer_steps"]
+            self.history = list(state["history"])
+            self.logs = [dict(x) for x in state["logs"]]
+            ckpt.set_rng_state(mine["rng"])
+            self._loader.load_state_dict(mine["loader"])
+            self.position = EpochPosition.from_dict(mine["position"]) if mine["position"] is not None else None
+            self.batch_in_epoch = self.position.batches_done if self.position is not None else 0
+        except BaseException:
+            self._restore(snapshot)
+            raise
 
     def _load_callbacks(self, saved: list[dict]) -> None:
         """Give each saved callback state to this trainer's callback of the same class (in order)."""
@@ -440,17 +627,28 @@ class Trainer:
             mine = waiting.get(entry["class"])
             if mine:
                 mine.pop(0).load_state_dict(entry["state"])
-            elif entry["state"]:
-                raise ValueError(f"the checkpoint holds the state of a {entry['class']} callback, which this "
-                                 f"trainer does not have; pass one (e.g. the same scheduler) to resume exactly")
+
+    def _check_finite(self, path: Path) -> None:
+        """Refuse to save non-finite weights or a non-finite running loss (a sync: once per save)."""
+        tensors = [t for t in self.model.state_dict().values() if t.is_floating_point()]
+        weights_ok = bool(torch.stack([t.isfinite().all() for t in tensors]).all()) if tensors else True
+        loss_ok = self.position is None or math.isfinite(self.position.loss_sum)
+        if weights_ok and loss_ok:
+            return
+        what = _("the weights") if not weights_ok else _("the loss of the interrupted epoch")
+        raise NonFiniteLossError(_("not saving '{name}': {what} are not finite (inf or nan), and a checkpoint must "
+                                   "never hold them; the file keeps the last good state.").format(
+            name=path.name, what=what))
 
     def save_checkpoint(self, path) -> Path:
         """Write the full state to `path` atomically: a temporary file in the same folder, flushed to disk,
-        then renamed over the target, so a crash mid-write never leaves a half-written checkpoint. In a
-        distributed run every rank calls it (the state gathers every rank's generators), rank 0 writes the
-        file, and all ranks wait for it (a barrier) before going on."""
-        state = self.state_dict()
+        then renamed over the target, so a crash mid-write never leaves a half-written checkpoint. Non-finite
+        weights are never written (`NonFiniteLossError`; the file keeps its last good state). In a distributed
+        run every rank calls it (the state gathers every rank's generators and loader position), rank 0 writes
+        the file, and all ranks wait for it (a barrier) before going on."""
         path = Path(path)
+        self._check_finite(path)
+        state = self.state_dict()
         if self.is_main:
             ckpt.save(state, path)
         distributed.barrier(self.process)
@@ -458,11 +656,24 @@ class Trainer:
 
     def load_checkpoint(self, path, map_location=None) -> "Trainer":
         """Restore a checkpoint written by `save_checkpoint` (loaded with weights_only=True: no code runs).
-        Tensors are mapped to `map_location` (default: this trainer's device) on the way in."""
+        Tensors are mapped to `map_location` (default: this trainer's device) on the way in. Everything is
+        checked before anything changes: a checkpoint that does not fit leaves the trainer as it was."""
         state = ckpt.load(path, map_location=map_location if map_location is not None else self.device)
         try:
             self.load_state_dict(state)
         except (KeyError, RuntimeError, ValueError, TypeError) as exc:
-            raise CheckpointError(_("checkpoint '{path}' does not fit this trainer: {error}: {message}").format(
-                path=path, error=type(exc).__name__, message=exc)) from None
+            raise CheckpointError(_("checkpoint '{path}' does not fit this trainer: {message}").format(
+                path=path, message=exc)) from None
         return self
+
+
+def _check_optimizer_holds(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """The optimizer must update the model's own parameters (all of them, or a subset for fine-tuning)."""
+    own = {id(p) for p in model.parameters()}
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    foreign = [p for p in params if id(p) not in own]
+    if foreign:
+        raise ValueError(_("the optimizer holds {foreign} of its {total} parameter tensors that are not this model's "
+                           "parameters, so training would change nothing the model uses: build the optimizer from "
+                           "this model, e.g. torch.optim.SGD(model.parameters(), lr=0.1), after creating the model "
+                           "(a subset, for fine-tuning, is fine)").format(foreign=len(foreign), total=len(params)))
