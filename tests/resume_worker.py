@@ -3,6 +3,9 @@
     python resume_worker.py KIND first CKPT     # trains, prints "batch N" lines; a real SIGINT stops it
     python resume_worker.py KIND finish CKPT    # an uninterrupted reference run, then a resume from CKPT;
                                                 # prints "same" if both end bit-identical, else what differs
+    python resume_worker.py edges-first DIR     # every loader kind x stop point x accumulate 1, 2 of
+                                                # tests/edge_cases.py: one checkpoint each in DIR
+    python resume_worker.py edges-finish DIR    # resumes each against an uninterrupted run; "all same" or why not
 """
 import sys
 import time
@@ -109,5 +112,38 @@ def main(kind, mode, path):
     print("same" if not diffs else f"differ: {diffs}", flush=True)
 
 
+def edges(mode, folder):
+    import warnings
+    from pathlib import Path
+
+    import edge_cases as ec
+
+    warnings.filterwarnings("ignore", message=".*set_vital.*")
+    bad = []
+    for kind in ec.KINDS:
+        for accumulate in (1, 2):
+            reference = None
+            for at in ec.STOP_POINTS:
+                path = Path(folder) / f"{kind}_{accumulate}_{at}.pt"
+                if mode == "edges-first":
+                    ec.trainer(kind, accumulate, [ec.stopper(at)], checkpoint=path)(ec.EPOCHS)
+                    continue
+                if reference is None:
+                    reference = ec.trainer(kind, accumulate)
+                    reference(ec.EPOCHS)
+                resumed = ec.trainer(kind, accumulate).load_checkpoint(path)
+                if resumed.batches_trained != ec.group_end(at, accumulate):
+                    bad.append(f"{path.name}: {resumed.batches_trained} batches in the checkpoint")
+                resumed(ec.EPOCHS - resumed.epoch)
+                diffs = ec.same(resumed, reference)
+                if diffs:
+                    bad.append(f"{path.name}: {diffs}")
+    if mode == "edges-finish":
+        print("\n".join(bad) if bad else "all same", flush=True)
+
+
 if __name__ == "__main__":
-    main(*sys.argv[1:4])
+    if sys.argv[1].startswith("edges-"):
+        edges(sys.argv[1], sys.argv[2])
+    else:
+        main(*sys.argv[1:4])

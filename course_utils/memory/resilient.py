@@ -19,6 +19,40 @@ def _device_of(model: nn.Module) -> torch.device:
     return first.device if first is not None else torch.device("cpu")
 
 
+def _changing_buffers(model: nn.Module) -> list[torch.Tensor]:
+    """The buffers a training-mode forward may change: those of modules that track running statistics
+    (BatchNorm and its kind). Other buffers (masks, positional tables) are not copied at every step."""
+    found = []
+    for module in model.modules():
+        if getattr(module, "track_running_stats", False) and module.training:
+            found += [b for b in module.buffers(recurse=False) if b is not None]
+    return found
+
+
+class _BufferCopy:
+    """A copy of `buffers` in one flat tensor per dtype: a handful of copies per step however many
+    BatchNorm layers the model has, and nothing at all for a model without them."""
+
+    def __init__(self, buffers: list[torch.Tensor]):
+        self.buffers = buffers
+        self.flat: dict[tuple, torch.Tensor] = {}
+        with torch.no_grad():
+            groups: dict[tuple, list[torch.Tensor]] = {}
+            for b in buffers:
+                groups.setdefault((b.dtype, b.device), []).append(b.reshape(-1))
+            for key, parts in groups.items():
+                self.flat[key] = torch.cat(parts)
+
+    def restore(self) -> None:
+        offsets = {key: 0 for key in self.flat}
+        with torch.no_grad():
+            for b in self.buffers:
+                key = (b.dtype, b.device)
+                n = b.numel()
+                b.copy_(self.flat[key][offsets[key]:offsets[key] + n].view_as(b))
+                offsets[key] += n
+
+
 # --- the OOM-resilient training step -----------------------------------------------------------
 
 class ResilientStepOutOfMemoryError(torch.OutOfMemoryError):
@@ -102,11 +136,11 @@ class ResilientStep:
         if largest == 0:
             raise ValueError(_("empty batch"))
         first_step = not self.optimizer.state  # Adam & co. create their state on their first step
-        buffers = list(self.model.buffers())
+        buffers = _changing_buffers(self.model)
         while True:
             chunk = self.micro_batch_size if self.micro_batch_size is not None and self.micro_batch_size < largest \
                 else None
-            saved = [b.clone() for b in buffers]  # what the forward may change (BatchNorm statistics)
+            saved = _BufferCopy(buffers)  # what the forward may change (BatchNorm statistics): one copy per dtype
             failure = None
             try:
                 losses = self.step.group(batches, chunk_size=chunk)
@@ -133,9 +167,7 @@ class ResilientStep:
             reset = getattr(self.precision, "reset", None)
             if callable(reset):
                 reset(self.optimizer)
-            with torch.no_grad():
-                for b, s in zip(buffers, saved):
-                    b.copy_(s)
+            saved.restore()
             del saved
             free_memory()
             current = chunk if chunk is not None else largest
