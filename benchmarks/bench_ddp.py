@@ -8,7 +8,10 @@ machine with 2+ GPUs), `--rounds` times in alternation, and keeps medians:
     DDP overhead per step is the DDP step minus the bare step measured in the same 2-process run;
   - scaling efficiency: throughput of 2 processes / (2 x throughput of 1), i.e. t(1 process) / t(DDP step).
 On a 2-core CPU two processes also compete for the cores (OMP_NUM_THREADS=1 each): the efficiency measures that too.
-Prints the figures and writes benchmarks/results/ddp_<device>.json.
+Then the course Trainer under torchrun against a hand-written DDP loop on an overhead-bound model
+(benchmarks/ddp_trainer_worker.py: nn.Linear 32 -> 10, batch 8 per process, epochs alternated, a barrier before
+each): the paired ratio of their epoch times, median over rounds (target: at most 1.05), and that both end with the
+same weights. Prints the figures and writes benchmarks/results/ddp_<device>.json.
 
     .venv/bin/python benchmarks/bench_ddp.py [--quick]
 """
@@ -38,6 +41,27 @@ def launch(nproc: int, out: Path, quick: bool) -> dict:
     if run.returncode != 0:
         raise RuntimeError(f"torchrun with {nproc} process(es) failed:\n{run.stderr[-3000:]}")
     return json.loads(out.read_text())
+
+
+def trainer_against_hand(rounds: int, steps: int) -> dict:
+    """The Trainer's epoch time over a hand-written DDP loop's, paired per round (2 processes)."""
+    with tempfile.TemporaryDirectory() as folder:
+        out = Path(folder) / "trainer.json"
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+               str(ROOT / "benchmarks" / "ddp_trainer_worker.py"), str(out), str(rounds), str(steps)]
+        run = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT,
+                             env=dict(os.environ, OMP_NUM_THREADS="1"))
+        if run.returncode != 0:
+            raise RuntimeError(f"the Trainer-against-hand run failed:\n{run.stderr[-3000:]}")
+        data = json.loads(out.read_text())
+    ratios = sorted(c / h for c, h in zip(data["times"]["course"], data["times"]["hand"]))
+    med = statistics.median
+    return {"model": "nn.Linear(32, 10), batch 8 per process", "steps_per_epoch": data["steps"],
+            "rounds": rounds, "hand_step_s": med(data["times"]["hand"]) / data["steps"],
+            "course_step_s": med(data["times"]["course"]) / data["steps"],
+            "paired_ratio": {"q1": ratios[len(ratios) // 4], "median": med(ratios),
+                             "q3": ratios[(3 * len(ratios)) // 4]},
+            "weights_equal": data["weights_equal"], "losses_equal": data["losses"]["hand"] == data["losses"]["course"]}
 
 
 def main():
@@ -80,6 +104,13 @@ def main():
           f" ms: DDP adds {s['ddp_overhead_seconds'] * 1e3:.1f} ms a step)")
     print(f"scaling efficiency of {nproc} processes: {s['scaling_efficiency']:.2f} "
           f"(throughput {nproc * s['scaling_efficiency']:.2f}x one process)")
+    t = trainer_against_hand(rounds=5 if args.quick else 11, steps=200 if args.quick else 400)
+    result["trainer_vs_hand"] = t
+    r = t["paired_ratio"]
+    print(f"Trainer under torchrun against a hand-written DDP loop ({t['model']}, {t['steps_per_epoch']} steps an "
+          f"epoch, {t['rounds']} rounds): {t['course_step_s'] * 1e6:.0f} us against {t['hand_step_s'] * 1e6:.0f} us a "
+          f"step, paired ratio {r['median']:.3f} [{r['q1']:.3f}, {r['q3']:.3f}] (target <= 1.05); same weights: "
+          f"{t['weights_equal']}, same losses: {t['losses_equal']}")
     out = ROOT / "benchmarks" / "results" / f"ddp_{device.split(':')[0]}.json"
     out.write_text(json.dumps(result, indent=1) + "\n")
     print(f"wrote {out.relative_to(ROOT)}")

@@ -13,8 +13,8 @@ The pieces the `Trainer` uses (a plain script that builds a Trainer runs data-pa
   rank).
 - `StopVote(process)`: whether any rank wants to stop (a Ctrl-C, a SIGTERM or a callback's StopTraining that reached
   only some ranks), agreed without a blocking collective per step: each step posts its wish in an asynchronous CPU
-  all-reduce and reads the one it posted a step earlier, long finished by then. Every rank reads the same answers
-  in the same order, so all ranks stop at the same step. `settle()` (at an epoch's end) waits for the answer.
+  all-reduce every few steps and reads the one it posted before, long finished by then. Every rank reads the same
+  answers at the same step, so all ranks stop at the same step. `settle()` (at an epoch's end) waits for the answer.
 - `gather_objects(obj, process)`: one Python object from every rank (the random generators' states).
 
 Importing this module touches no device and starts nothing.
@@ -97,7 +97,8 @@ def setup(device_type: str | None = None) -> "Process | None":
         raise RuntimeError(_("a process group of {ranks} ranks exists, but WORLD_SIZE says {world_size}").format(
             ranks=dist.get_world_size(), world_size=process.world_size))
     process.backend = dist.get_backend()
-    process.cpu_group = dist.new_group(backend="gloo") if process.backend != "gloo" else None
+    # a gloo group of its own for small CPU-side agreements: they never wait behind gradients or for a GPU
+    process.cpu_group = dist.new_group(backend="gloo")
     return process
 
 
@@ -206,18 +207,22 @@ class StopVote:
     """Whether any rank wants to stop, agreed by all ranks without waiting at every step.
 
         vote = StopVote(process)
-        wish = vote(local_wish)   # every step: post this step's wish, get the agreed one of the step before
+        wish = vote(local_wish)   # every step: this rank's wish in, the agreed one out (0 most of the time)
         wish = vote.settle(local_wish)   # an epoch's end: wait for everything posted, and this wish too
 
-    A wish is an int (0: go on; larger wins: 1 StopTraining, 2 Ctrl-C or SIGTERM). Each call posts an asynchronous
-    all-reduce (MAX) on the CPU group and waits for the one posted at the previous call, which finished while this
-    step ran: no blocking round trip per step. Every rank gets the same answers in the same order, so every rank
-    stops at the same step: the step after the one where the wish was made. Outside a distributed run a wish is
-    its own answer, at once.
+    A wish is an int (0: go on; larger wins: 1 StopTraining, 2 Ctrl-C). Every `every`-th call posts the wishes
+    made since the last post in an asynchronous all-reduce (MAX) on a CPU group of its own, and reads the one it
+    posted `every` calls earlier, finished long ago: no blocking round trip, and one small collective per `every`
+    steps instead of one per step. All ranks make the same calls, so they read the same answers at the same
+    step and stop together: at most 2 x `every` steps after the wish. Outside a distributed run a wish is its own
+    answer, at once.
     """
 
-    def __init__(self, process: Process | None):
+    def __init__(self, process: Process | None, every: int = 8):
         self.process = process
+        self.every = every
+        self._calls = 0
+        self._wish = 0        # the largest wish made since the last post
         self._pending = None  # (work, tensor) of the last posted wish
 
     def _post(self, wish: int) -> None:
@@ -236,8 +241,13 @@ class StopVote:
     def __call__(self, wish: int) -> int:
         if self.process is None:
             return wish
+        self._wish = max(self._wish, wish)
+        self._calls += 1
+        if self._calls % self.every:
+            return 0
         agreed = self._read()
-        self._post(wish)
+        self._post(self._wish)
+        self._wish = 0
         return agreed
 
     def settle(self, wish: int = 0) -> int:
@@ -245,7 +255,8 @@ class StopVote:
         if self.process is None:
             return wish
         agreed = self._read()
-        self._post(wish)
+        self._post(max(self._wish, wish))
+        self._wish, self._calls = 0, 0
         return max(agreed, self._read())
 
 

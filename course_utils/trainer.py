@@ -175,7 +175,8 @@ class Trainer:
     checkpoints (`trainer.is_main`), with every rank's random and loader state, so a resume in a new torchrun
     continues each rank exactly. A stop wished on any rank (Ctrl-C, StopTraining, at a step or at an epoch's end)
     stops every rank at the same step, with its reason; agreeing costs no blocking round trip per step
-    (`distributed.StopVote`), so a wish made at step k stops all ranks after step k+1.
+    (`distributed.StopVote`: a small asynchronous all-reduce every 8 steps), so all ranks stop together at most
+    16 steps after the wish, or at the epoch's end.
     `sync_batchnorm=True` converts BatchNorm layers to SyncBatchNorm (GPUs only).
     """
 
@@ -319,7 +320,7 @@ class Trainer:
                     continue
                 self._step(group, after_step, batch_end)
                 group = []
-                wish = self._vote(self._wish(interrupt))  # another rank's wish arrives one step later
+                wish = self._vote(self._wish(interrupt))  # another rank's wish arrives a few steps later
                 if wish != GO_ON:
                     return self._stop_inside_epoch(wish)
             if group:  # the last, smaller group of the epoch

@@ -1,0 +1,120 @@
+"""The Trainer's distributed promises, run by tests/test_trainer_edges_ddp.py under `torchrun --nproc-per-node 2`.
+
+    torchrun ... edges_ddp_worker.py first DIR    # per loader kind: a run stopped by rank 1 alone mid-epoch 2
+                                                  # (checkpoint DIR/KIND.pt); a stop in on_epoch_end on rank 1;
+                                                  # a nan loss on rank 1. Rank 0 writes DIR/first.json.
+    torchrun ... edges_ddp_worker.py finish DIR   # per kind: an uninterrupted run and a resume of DIR/KIND.pt in
+                                                  # this new group; rank 0 writes DIR/finish.json
+
+Every rank is seeded differently after the Trainer is built (dropout masks and random augmentations differ per
+rank), so a resume is only exact if every rank gets its own random state back.
+"""
+import json
+import math
+import sys
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+from course_utils import distributed
+from course_utils.callbacks import Callback, StopTraining
+from course_utils.data import TensorLoader
+from course_utils.trainer import NonFiniteLossError, Trainer
+
+KINDS = ["tensor", "dataloader"]
+EPOCHS = 3
+
+
+class Noisy(Dataset):
+    def __init__(self, x, y):
+        self.x, self.y = x, y
+
+    def __len__(self):
+        return len(self.y)
+
+    def __getitem__(self, i):  # drawn from each rank's own global generator (no workers)
+        return self.x[i] + 0.1 * torch.randn_like(self.x[i]), self.y[i]
+
+
+def trainer(kind, loss_fn=None, **kwargs):
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(192, 1, 8, 8, generator=g), torch.randint(0, 10, (192,), generator=g)
+    loader = TensorLoader(x, y, batch_size=4, seed=1) if kind == "tensor" else \
+        DataLoader(Noisy(x, y), batch_size=4, shuffle=True)  # 24 batches an epoch per rank
+    model = nn.Sequential(nn.Flatten(), nn.Linear(64, 32), nn.ReLU(), nn.Dropout(0.3), nn.Linear(32, 10))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    t = Trainer(model, opt, loss_fn or nn.CrossEntropyLoss(), loader, device="cpu", **kwargs)
+    torch.manual_seed(100 + t.process.rank)  # ranks draw different dropout masks and noise from here on
+    return t
+
+
+class Rank1Stops(Callback):
+    """Rank 1 alone raises StopTraining: after its batch `at` (hook "batch") or at the end of epoch 1."""
+
+    def __init__(self, at=None):
+        self.at = at
+
+    def on_batch_end(self, trainer, loss):
+        if self.at is not None and trainer.process.rank == 1 and trainer.batches_trained == self.at:
+            raise StopTraining(f"rank 1 asked at batch {self.at}")
+
+    def on_epoch_end(self, trainer, logs):
+        if self.at is None and trainer.process.rank == 1 and trainer.epoch == 1:
+            raise StopTraining("rank 1 asked at an epoch end")
+
+
+class NanOnRank1(nn.Module):
+    def __init__(self, rank, at):
+        super().__init__()
+        self.rank, self.at, self.calls = rank, at, 0
+
+    def forward(self, logits, y):
+        self.calls += 1
+        loss = nn.functional.cross_entropy(logits, y)
+        return loss * math.nan if self.rank == 1 and self.calls == self.at else loss
+
+
+def flat(model):
+    return torch.cat([p.detach().reshape(-1) for p in model.state_dict().values()])
+
+
+def main(mode, folder):
+    folder = Path(folder)
+    out = {}
+    for kind in KINDS:
+        if mode == "first":
+            t = trainer(kind, callbacks=[Rank1Stops(at=27)], checkpoint=folder / f"{kind}.pt")  # epoch 2, batch 3
+            t(EPOCHS)
+            out[kind] = distributed.gather_objects({"batches": t.batches_trained, "reason": t.stop_reason,
+                                                    "batch_in_epoch": t.batch_in_epoch}, t.process)
+        else:
+            reference = trainer(kind)
+            reference(EPOCHS)
+            resumed = trainer(kind)
+            resumed.load_checkpoint(folder / f"{kind}.pt")
+            resumed(EPOCHS - resumed.epoch)
+            out[kind] = distributed.gather_objects(
+                {"weights_equal": torch.equal(flat(reference.model), flat(resumed.model)),
+                 "history_equal": reference.history == resumed.history,
+                 "history": resumed.history, "reference": reference.history}, resumed.process)
+    if mode == "first":
+        t = trainer("tensor", callbacks=[Rank1Stops()])
+        t(EPOCHS)
+        out["epoch_end"] = distributed.gather_objects({"epoch": t.epoch, "reason": t.stop_reason}, t.process)
+        rank = distributed.Process.from_environment().rank
+        t = trainer("tensor", loss_fn=NanOnRank1(rank, 9))
+        try:
+            t(EPOCHS)
+            message = None
+        except NonFiniteLossError as exc:
+            message = str(exc)
+        out["nan"] = distributed.gather_objects(message, t.process)
+    if distributed.Process.from_environment().rank == 0:
+        (folder / f"{mode}.json").write_text(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])

@@ -1,0 +1,47 @@
+"""The Trainer's distributed promises with two real gloo processes (torchrun), ranks seeded differently:
+a mid-epoch resume in a new torchrun is bit-exact for every rank (weights and loss history), a stop raised on
+one rank stops both at the same step with its reason (mid-epoch and at an epoch's end, well before the
+collective timeout), and a nan loss on one rank is named on every rank."""
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+HERE = Path(__file__).parent
+pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not available")
+
+
+def torchrun(*args, timeout=300):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", *map(str, args)]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", COURSE_DIST_TIMEOUT="60")
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+
+
+@pytest.mark.slow
+def test_per_rank_state_stop_agreement_and_nan_under_torchrun(tmp_path):
+    start = time.perf_counter()
+    first = torchrun(HERE / "edges_ddp_worker.py", "first", tmp_path)
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert time.perf_counter() - start < 50, "a stop waited for the collective timeout (60 s)"
+    stopped = json.loads((tmp_path / "first.json").read_text())
+    for kind in ("tensor", "dataloader"):
+        ranks = stopped[kind]
+        # rank 1 asked after batch 27 (epoch 2, batch 3 of 24); the vote posted at the epoch's 8th step carries it,
+        # read at its 16th: both ranks stop together there
+        assert [r["batches"] for r in ranks] == [40, 40], ranks
+        assert [r["batch_in_epoch"] for r in ranks] == [16, 16], ranks
+        assert [r["reason"] for r in ranks] == ["rank 1 asked at batch 27"] * 2, ranks
+    assert stopped["epoch_end"] == [{"epoch": 1, "reason": "rank 1 asked at an epoch end"}] * 2
+    assert all(m is not None and "epoch 1, batch 9 on rank 1" in m for m in stopped["nan"]), stopped["nan"]
+
+    finish = torchrun(HERE / "edges_ddp_worker.py", "finish", tmp_path)
+    assert finish.returncode == 0, finish.stderr[-3000:]
+    resumed = json.loads((tmp_path / "finish.json").read_text())
+    for kind in ("tensor", "dataloader"):
+        for rank, r in enumerate(resumed[kind]):
+            assert r["weights_equal"] and r["history_equal"], (kind, rank, r)
