@@ -270,7 +270,7 @@ class Trainer:
                     self._requested = _reason(exc)
 
     def _wish(self, interrupt) -> int:
-        if interrupt is not None and interrupt.requested:
+        if interrupt.requested:
             return INTERRUPT
         return STOP if self._requested is not None else GO_ON
 
@@ -295,6 +295,7 @@ class Trainer:
     def train_epoch(self, interrupt: _DeferInterrupt | None = None, hooks: dict | None = None) -> float | None:
         """Train one epoch; returns its mean loss, or None if it stopped early (its position kept for a resume)."""
         hooks = hooks if hooks is not None else self._connect()
+        interrupt = interrupt if interrupt is not None else _DeferInterrupt()  # never entered: never requested
         self.model.train()
         position, self.position = self.position, None
         batches = self._loader.epoch(self.epoch)  # positioned where an interrupted epoch stopped, if one did
@@ -312,7 +313,9 @@ class Trainer:
         group: list = []
         try:
             for batch in batches:
-                batch = move_batch(_pair(batch, self.batch_fn), self.device)
+                if type(batch) is not tuple or len(batch) != 2 or self.batch_fn is not None:  # else (inputs, targets)
+                    batch = _pair(batch, self.batch_fn)
+                batch = move_batch(batch, self.device)
                 if batch_start:
                     self._emit(batch_start, batch)
                 group.append(batch)
@@ -320,9 +323,10 @@ class Trainer:
                     continue
                 self._step(group, after_step, batch_end)
                 group = []
-                wish = self._vote(self._wish(interrupt))  # another rank's wish arrives a few steps later
-                if wish != GO_ON:
-                    return self._stop_inside_epoch(wish)
+                if self.process is not None or interrupt.requested or self._requested is not None:
+                    wish = self._vote(self._wish(interrupt))  # another rank's wish arrives a few steps later
+                    if wish != GO_ON:
+                        return self._stop_inside_epoch(wish)
             if group:  # the last, smaller group of the epoch
                 self._step(group, after_step, batch_end)
         except KeyboardInterrupt:  # a second Ctrl-C, anywhere (maybe inside a step): that step is dropped
