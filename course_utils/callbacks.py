@@ -88,8 +88,10 @@ def warn_unknown_hooks(callback) -> None:
     except AttributeError:  # __slots__: check every time, it is cheap
         pass
     for name in dir(type(callback)):
-        if name.startswith("on_") and name not in HOOKS and callable(getattr(type(callback), name, None)):
-            near = difflib.get_close_matches(name, HOOKS, n=1, cutoff=0.0)
+        if name in HOOKS or name.startswith("_") or not callable(getattr(type(callback), name, None)):
+            continue
+        near = difflib.get_close_matches(name, HOOKS, n=1, cutoff=0.0 if name.startswith("on_") else 0.85)
+        if near:  # an on_... method, or one spelled almost like a hook (onbatch_end)
             warnings.warn(_("{callback}.{name} is not a Trainer hook, so it is never called; did you mean "
                             "{near}? The hooks are: {hooks}").format(
                 callback=type(callback).__name__, name=name, near=near[0], hooks=", ".join(HOOKS)),
@@ -98,23 +100,33 @@ def warn_unknown_hooks(callback) -> None:
 
 class LRScheduler(Callback):
     """Step a learning-rate scheduler every epoch (`interval="epoch"`) or after every optimizer step
-    (`interval="step"`, e.g. for OneCycleLR or a warm-up). Its state goes into checkpoints."""
+    (`interval="step"`, e.g. for OneCycleLR or a warm-up). Its state goes into checkpoints. A scheduler that
+    steps on a measured value (`ReduceLROnPlateau`) gets `logs[monitor]` every epoch (default "val_loss" when
+    there is a val_loader, else "loss")."""
 
     order = -10  # before callbacks that read the learning rate or save a checkpoint
 
-    def __init__(self, scheduler, interval: str = "epoch"):
+    def __init__(self, scheduler, interval: str = "epoch", monitor: str | None = None):
         if interval not in ("epoch", "step"):
             raise ValueError(f"interval must be 'epoch' or 'step', got {interval!r}")
         if not callable(getattr(scheduler, "step", None)):
             raise TypeError(f"scheduler must have a step() method, got {type(scheduler).__name__}")
-        self.scheduler, self.interval = scheduler, interval
+        self.scheduler, self.interval, self.monitor = scheduler, interval, monitor
+        self.on_value = isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau) or monitor is not None
+        if self.on_value and interval == "step":
+            raise ValueError("a scheduler that steps on a measured value (ReduceLROnPlateau) steps once per epoch: "
+                             "use interval='epoch'")
 
     def on_after_optimizer_step(self, trainer) -> None:
         if self.interval == "step":
             self.scheduler.step()
 
     def on_epoch_end(self, trainer, logs) -> None:
-        if self.interval == "epoch":
+        if self.interval != "epoch":
+            return
+        if self.on_value:
+            self.scheduler.step(logs[self.monitor or ("val_loss" if "val_loss" in logs else "loss")])
+        else:
             self.scheduler.step()
 
     def state_dict(self) -> dict[str, Any]:

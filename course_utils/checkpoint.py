@@ -82,6 +82,16 @@ def check_optimizer_state(optimizer: torch.optim.Optimizer, saved: dict, saved_c
         raise ValueError(_("the checkpoint's optimizer has parameter groups of {saved} tensors; this trainer's has "
                            "{mine}: build the optimizer over the same parameters, grouped the same way").format(
             saved=saved_sizes, mine=my_sizes))
+    # the state of every parameter (momentum, Adam's moments) must have that parameter's shape: a model whose
+    # parameters are listed in another order fails here, not at the next step
+    for n, (saved_id, param) in enumerate(zip((i for g in saved["param_groups"] for i in g["params"]),
+                                              (p for g in optimizer.param_groups for p in g["params"]))):
+        for key, value in saved["state"].get(saved_id, {}).items():
+            if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape != param.shape:
+                raise ValueError(_("the checkpoint's optimizer state {key!r} of parameter {n} has shape {saved}; "
+                                   "this trainer's parameter {n} has shape {mine} (the parameters in another order, "
+                                   "or another model?)").format(key=key, n=n, saved=tuple(value.shape),
+                                                                mine=tuple(param.shape)))
 
 
 # --- random number generators ------------------------------------------------------------------
@@ -104,9 +114,22 @@ def _to_tuples(x):
     return tuple(_to_tuples(v) for v in x) if isinstance(x, list) else x
 
 
+def _numpy_random():
+    try:
+        import numpy
+    except ImportError:  # numpy is optional for torch
+        return None
+    return numpy.random
+
+
 def rng_state() -> dict[str, Any]:
-    """The state of every random number generator a training step may draw from, as plain values."""
+    """The state of every random number generator a training step may draw from, as plain values: Python's,
+    numpy's global one (augmentations often use it), torch's CPU, CUDA and MPS generators."""
     state: dict[str, Any] = {"python": _to_lists(random.getstate()), "torch": _bytes(torch.get_rng_state())}
+    np_random = _numpy_random()
+    if np_random is not None:
+        name, keys, pos, has_gauss, gauss = np_random.get_state()
+        state["numpy"] = [name, bytes(keys.astype("<u4").tobytes()), int(pos), int(has_gauss), float(gauss)]
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = [_bytes(s) for s in torch.cuda.get_rng_state_all()]
     mps = getattr(torch, "mps", None)
@@ -120,6 +143,12 @@ def set_rng_state(state: dict[str, Any]) -> None:
     checkpoint was mapped to; a CUDA or MPS state is skipped on a machine without that device."""
     random.setstate(_to_tuples(state["python"]))
     torch.set_rng_state(_tensor(state["torch"]))
+    np_random = _numpy_random()
+    if state.get("numpy") is not None and np_random is not None:
+        import numpy
+        name, keys, pos, has_gauss, gauss = state["numpy"]
+        np_random.set_state((name, numpy.frombuffer(bytes(keys), dtype="<u4").astype(numpy.uint32), pos, has_gauss,
+                             gauss))
     if state.get("cuda") is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state_all([_tensor(s) for s in state["cuda"]])
     if state.get("mps") is not None and torch.backends.mps.is_available():

@@ -203,6 +203,15 @@ def all_sum(values: torch.Tensor, process: Process | None) -> torch.Tensor:
     return values
 
 
+def agree(flag: bool, process: Process | None) -> bool:
+    """True on every rank if `flag` is True on any rank: a blocking CPU all-reduce, for rare points (a stop)."""
+    if process is None:
+        return flag
+    t = torch.tensor([1 if flag else 0])
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=process.cpu_group)
+    return bool(t.item())
+
+
 class StopVote:
     """Whether any rank wants to stop, agreed by all ranks without waiting at every step.
 

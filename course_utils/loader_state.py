@@ -15,7 +15,10 @@
 
 Random augmentations done inside *persistent* DataLoader workers draw from the workers' own generators, which
 live in other processes and cannot be saved: the batch order is restored, those draws are not (warned at save
-time). torchdata's `StatefulDataLoader` re-seeds its workers as they were and saves the state of a dataset that has
+time). A persistent DataLoader draws its workers' base seed only when it starts them, not at every epoch; a resume
+starts (or restarts) them so that the epoch's order is drawn from the same generator state as in the original run.
+A sampler of your own is exact if it draws from torch's global generator or from a `generator` attribute; any
+other randomness in it (numpy, a generator stored under another name) is not saved (warned at save time). torchdata's `StatefulDataLoader` re-seeds its workers as they were and saves the state of a dataset that has
 `state_dict()`; random draws of a dataset without it start again from the seeds (warned at save time too).
 """
 from __future__ import annotations
@@ -26,7 +29,8 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader, IterableDataset
+from torch.utils.data import (BatchSampler, DataLoader, DistributedSampler, IterableDataset, RandomSampler,
+                              SequentialSampler, SubsetRandomSampler, WeightedRandomSampler)
 
 from .checkpoint import generator_state, rng_state, set_generator_state, set_rng_state
 from .i18n import _
@@ -55,6 +59,7 @@ class LoaderState:
         state = LoaderState(loader)
         batches = state.epoch()            # an iterator over this epoch's batches (resumed if loaded)
         saved = state.state_dict(done)     # after `done` batches of the epoch
+        state.check(saved)                 # ValueError if it cannot be restored into this loader
         state.load_state_dict(saved)       # the next epoch() continues from there
     """
 
@@ -70,6 +75,7 @@ class LoaderState:
             self.kind = "unknown"
         self._epoch_start: dict[str, Any] | None = None
         self._pending: dict[str, Any] | None = None
+        self._next_fresh: bool | None = None  # whether the next epoch's iterator should start new workers
         self._warned = False
 
     def epoch(self, number: int = 0) -> Iterator:
@@ -79,7 +85,7 @@ class LoaderState:
         set_epoch = getattr(getattr(self.loader, "sampler", None), "set_epoch", None)
         if callable(set_epoch):
             set_epoch(number)
-        pending, self._pending = self._pending, None
+        pending = self._pending
         if pending is not None and pending.get("finished"):  # stopped after its last batch: nothing left
             if self.kind == "stateful":
                 # An exhausted loader's next pass hangs on its generators: put them back as they were. Its own
@@ -89,15 +95,19 @@ class LoaderState:
                     self._set_generators(pending["generators"])
                 else:
                     self.loader.load_state_dict(pending["state"])
+            self._pending = None
             return iter(())
         if self.kind == "stateful":
             if pending is None:
                 return iter(self.loader)
             self.loader.load_state_dict(pending["state"])
+            self._pending = None
             if "batches_done" not in pending:  # saved between epochs: a fresh pass from the saved order
                 return iter(self.loader)
             return self._then_set_generators(iter(self.loader), pending["generators"])
         if pending is None:
+            self._match_workers(self._next_fresh)
+            self._next_fresh = None
             self._epoch_start = self._record_start()
             return iter(self.loader)
         self._epoch_start = pending["epoch_start"]
@@ -108,6 +118,7 @@ class LoaderState:
         if skipped < pending["batches_done"]:
             raise ValueError(f"cannot resume: the checkpoint is {pending['batches_done']} batches into an epoch, "
                              f"but this loader has only {skipped} batches an epoch")
+        self._pending = None
         return it
 
     def _then_set_generators(self, it: Iterator, states: list) -> Iterator:
@@ -122,14 +133,38 @@ class LoaderState:
         yield first
         yield from it
 
+    # --- persistent workers: start them where the original run did --------------------------------
+
+    def _persistent(self) -> bool:
+        return self.kind == "dataloader" and self.loader.persistent_workers and self.loader.num_workers > 0
+
+    def _fresh(self) -> bool:
+        """Whether the next iter(loader) starts new workers (drawing their base seed from the generators)."""
+        return not self._persistent() or getattr(self.loader, "_iterator", None) is None  # DataLoader's own
+
+    def _match_workers(self, fresh: bool | None) -> None:
+        """Make the next iter(loader) start workers (and draw their seed) exactly when the original run did: a
+        persistent DataLoader draws it only when it starts its workers, so the epoch's order is drawn from the
+        same generator state only if a resumed run starts (or reuses) workers at the same epoch."""
+        if fresh is None or not self._persistent() or fresh == self._fresh():
+            return
+        if fresh:  # the original run started its workers here: drop this run's, so they start again
+            self.loader._iterator = None
+            return
+        rng, gens = rng_state(), self._generator_states()  # the original reused its workers: start ours now,
+        iter(self.loader)                                  # then put back what starting them drew from
+        self._set_generators(gens)
+        set_rng_state(rng)
+
     def _record_start(self) -> dict[str, Any] | None:
         if self.kind != "dataloader":
             return None
-        return {"rng": rng_state(), "generators": self._generator_states()}
+        return {"rng": rng_state(), "generators": self._generator_states(), "fresh": self._fresh()}
 
     def _restore_start(self, start: dict[str, Any] | None) -> None:
         if start is None:
             return
+        self._match_workers(start.get("fresh"))
         self._set_generators(start["generators"])
         set_rng_state(start["rng"])
 
@@ -163,22 +198,51 @@ class LoaderState:
             return _("the DataLoader has persistent workers: the batch order is restored, but random numbers drawn "
                      "inside the workers (random augmentations) come from the workers' own generators, which "
                      "cannot be saved. Use persistent_workers=False, or torchdata's StatefulDataLoader.")
+        sampler = _own_sampler(self.loader) if self.kind == "dataloader" else None
+        if sampler is not None:
+            return _("the DataLoader's sampler is a {sampler} of your own: its order is restored only if it draws "
+                     "from torch's global generator or from a torch.Generator in its `generator` attribute; other "
+                     "randomness in it (numpy, a generator under another name) is not saved.").format(
+                sampler=type(sampler).__name__)
         return None
 
     def state_dict(self, batches_done: int | None = None, finished: bool = False) -> dict[str, Any]:
         """Where the loader is: `batches_done` batches into the current epoch, or (None) between epochs.
         `finished`: the epoch's pass is over (its last batch drawn) but the epoch is not closed yet; the next
         `epoch()` after loading this state yields nothing, and the one after it starts the next epoch."""
+        shape = {"kind": self.kind, "batches": _length(self.loader), "generator_count": len(_generators(self.loader))}
         if finished:
             return {**self.state_dict(), "finished": True, "generators": self._generator_states()}
         if self.kind == "stateful":  # the loader's own state knows whether it is inside an epoch
-            state = {"kind": self.kind, "state": self.loader.state_dict()}
+            state = {**shape, "state": self.loader.state_dict()}
             if batches_done is not None:
                 state.update(batches_done=batches_done, generators=self._generator_states())
             return state
         if batches_done is None:  # between epochs: the next epoch's order depends on the generators' state now
-            return {"kind": self.kind, "generators": self._generator_states() if self.kind == "dataloader" else []}
-        return {"kind": self.kind, "batches_done": batches_done, "epoch_start": self._epoch_start}
+            return {**shape, "generators": self._generator_states() if self.kind == "dataloader" else [],
+                    "fresh": self._fresh()}
+        return {**shape, "batches_done": batches_done, "epoch_start": self._epoch_start}
+
+    def check(self, state: Any) -> None:
+        """Raise ValueError if `state` cannot be restored into this loader: another kind, another number of
+        generators, or (inside an epoch) another number of batches an epoch. Changes nothing."""
+        if not isinstance(state, dict) or state.get("kind") != self.kind:
+            found = state.get("kind") if isinstance(state, dict) else None
+            raise ValueError(_("the checkpoint was saved with a loader of kind {saved!r}; this trainer's loader "
+                               "({name}) is of kind {kind!r}: build the same kind of loader").format(
+                saved=found, name=type(self.loader).__name__, kind=self.kind))
+        gens = len(_generators(self.loader))
+        if self.kind == "dataloader" and state.get("generator_count", gens) != gens:
+            raise ValueError(_("the checkpoint's DataLoader had {saved} generator(s) (its own or its sampler's), this "
+                               "one has {mine}: build it the same way").format(saved=state["generator_count"],
+                                                                              mine=gens))
+        inside = "batches_done" in state or state.get("finished")
+        saved, mine = state.get("batches"), _length(self.loader)
+        if inside and saved is not None and mine is not None and saved != mine:
+            raise ValueError(_("the checkpoint stopped inside an epoch of {saved} batches; this loader has {mine} "
+                               "batches an epoch (another batch_size, drop_last or dataset?): build it the same way, "
+                               "or resume from a checkpoint written at the end of an epoch").format(
+                saved=saved, mine=mine))
 
     def warn_if_inexact(self) -> None:
         """Say once (a UserWarning) why a mid-epoch position of this loader cannot be restored exactly."""
@@ -187,15 +251,42 @@ class LoaderState:
             self._warned = True
             warnings.warn(_("Checkpoint: {caveat}").format(caveat=caveat), stacklevel=4)
 
+    def snapshot(self) -> dict[str, Any]:
+        """What `load_state_dict` may change (this object's fields, the loader's generators), to `restore`."""
+        return {"fields": dict(self.__dict__), "generators": self._generator_states()}
+
+    def restore(self, snap: dict[str, Any]) -> None:
+        self.__dict__.update(snap["fields"])
+        self._set_generators(snap["generators"])
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore `state`: between epochs at once; inside an epoch, the next `epoch()` continues it."""
-        if not isinstance(state, dict) or state.get("kind") != self.kind:
-            found = state.get("kind") if isinstance(state, dict) else None
-            raise ValueError(f"cannot resume: the checkpoint was saved with a loader of kind {found!r}, "
-                             f"this trainer's loader ({type(self.loader).__name__}) is of kind {self.kind!r}")
+        self.check(state)
         if "batches_done" in state or self.kind == "stateful":  # the next epoch() continues (or loads) it
             self._pending = state
             return
         if self.kind == "dataloader":  # between epochs: the next order hangs on the loader's own generators
             self._set_generators(state["generators"])
+            self._next_fresh = state.get("fresh")
         self._pending = state if state.get("finished") else None
+
+
+_KNOWN_SAMPLERS = (RandomSampler, SequentialSampler, SubsetRandomSampler, WeightedRandomSampler, DistributedSampler)
+
+
+def _own_sampler(loader: DataLoader):
+    """The loader's sampler if it is neither one of torch's nor a BatchSampler over one of torch's."""
+    batch_sampler = getattr(loader, "batch_sampler", None)
+    for sampler in (getattr(batch_sampler, "sampler", None), getattr(loader, "sampler", None)):
+        if sampler is not None and not isinstance(sampler, _KNOWN_SAMPLERS):
+            return sampler
+    if batch_sampler is not None and not isinstance(batch_sampler, BatchSampler):
+        return batch_sampler
+    return None
+
+
+def _length(loader) -> int | None:
+    try:
+        return len(loader)
+    except TypeError:
+        return None

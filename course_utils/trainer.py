@@ -60,10 +60,12 @@ def move_batch(batch, device: torch.device, non_blocking: bool = True):
         return type(batch)(*(move_batch(b, device, non_blocking) for b in batch))
     if isinstance(batch, (list, tuple)):
         moved = [move_batch(b, device, non_blocking) for b in batch]
-        try:
-            return type(batch)(moved)
-        except TypeError:
-            return moved if isinstance(batch, list) else tuple(moved)
+        for build in (lambda: type(batch)(moved), lambda: type(batch)(*moved)):  # from an iterable, or fields
+            try:
+                return build()
+            except TypeError:
+                pass
+        return moved if isinstance(batch, list) else tuple(moved)
     return batch
 
 
@@ -297,8 +299,8 @@ class Trainer:
         hooks = hooks if hooks is not None else self._connect()
         interrupt = interrupt if interrupt is not None else _DeferInterrupt()  # never entered: never requested
         self.model.train()
-        position, self.position = self.position, None
         batches = self._loader.epoch(self.epoch)  # positioned where an interrupted epoch stopped, if one did
+        position, self.position = self.position, None
         if position is None:
             self._loss_sum = torch.zeros((), device=self.device)  # running sum stays on the device: no per-step sync
             self._samples = self.batch_in_epoch = 0
@@ -350,10 +352,14 @@ class Trainer:
         after the epoch's last step, before it is closed (its mean, validation and epoch-end hooks run on resume)."""
         self.optimizer.zero_grad(set_to_none=True)
         self._vote.settle()  # nothing left in flight
+        loss_sum = self._loss_sum.item()  # CPU-GPU sync point here (a stop is rare)
+        bad = not math.isfinite(loss_sum) and self.precision.scaler is None
+        if distributed.agree(bad, self.process):  # every rank is here: decide together
+            self._raise_non_finite(loss_sum)
         if wish == STOP:
             self.stop_reason = self._agreed_reason()
         self._requested = None
-        self.position = EpochPosition(self.batch_in_epoch, self._samples, self._loss_sum.item(), ckpt.rng_state(),
+        self.position = EpochPosition(self.batch_in_epoch, self._samples, loss_sum, ckpt.rng_state(),
                                       self._loader.state_dict(self.batch_in_epoch, finished))
         self._loader.load_state_dict(self.position.loader)  # a next call continues here, also in this process
         return None
@@ -379,8 +385,9 @@ class Trainer:
         if self.process is not None:
             where += _(" on rank {rank}").format(rank=rank)
         raise NonFiniteLossError(_(
-            "the loss became {value} at {where}: training stopped at the end of that epoch. The weights are "
-            "probably not finite any more; no checkpoint was written (the last good one is kept). Usual causes: a "
+            "the loss became {value} at {where}: training stopped (the Trainer reads the loss at an epoch's end "
+            "and when it stops). The weights are probably not finite any more; no checkpoint was written (the last "
+            "good one is kept). Usual causes: a "
             "learning rate too high, log or division by zero in the loss, float16 overflow (mixed_precision='fp16' "
             "scales the loss). callbacks=[CheckFinite()] stops at the bad step itself (one sync a step).").format(
             value=value, where=where))
@@ -571,11 +578,14 @@ class Trainer:
             raise ValueError(_("the checkpoint stopped inside an epoch of a run with {saved} process(es); resume it "
                                "with the same number (this run has {world}), or from a checkpoint written at the end "
                                "of an epoch").format(saved=state.get("world_size", 1), world=world))
-        kind = mine["loader"].get("kind") if isinstance(mine["loader"], dict) else None
-        if kind != self._loader.kind:
-            raise ValueError(_("the checkpoint was saved with a loader of kind {saved!r}; this trainer's loader "
-                               "({name}) is of kind {kind!r}: build the same kind of loader").format(
-                saved=kind, name=type(self.train_loader).__name__, kind=self._loader.kind))
+        self._loader.check(mine["loader"])
+        counters = [state[k] for k in ("epoch", "batches_trained", "optimizer_steps")]
+        if not all(type(c) is int and c >= 0 for c in counters) or not isinstance(state["history"], list) \
+                or not all(isinstance(x, float) for x in state["history"]) or len(state["history"]) != state["epoch"]:
+            raise ValueError(_("the checkpoint's counters or loss history are not those of a run (epoch "
+                               "{epoch!r}, batches {batches!r}, {n} losses)").format(
+                epoch=state["epoch"], batches=state["batches_trained"],
+                n=len(state["history"]) if isinstance(state["history"], list) else "?"))
         return mine
 
     def _snapshot(self) -> dict:
@@ -586,7 +596,7 @@ class Trainer:
                 "callbacks": [copy.deepcopy(cb.state_dict()) for cb in self.callbacks],
                 "counters": (self.epoch, self.batches_trained, self.optimizer_steps, list(self.history),
                              [dict(x) for x in self.logs], self.position, self.batch_in_epoch),
-                "rng": ckpt.rng_state(), "loader": copy.copy(self._loader.__dict__)}
+                "rng": ckpt.rng_state(), "loader": self._loader.snapshot()}
 
     def _restore(self, snap: dict) -> None:
         self.model.load_state_dict(snap["model"])
@@ -598,7 +608,7 @@ class Trainer:
         (self.epoch, self.batches_trained, self.optimizer_steps, self.history, self.logs, self.position,
          self.batch_in_epoch) = snap["counters"]
         ckpt.set_rng_state(snap["rng"])
-        self._loader.__dict__.update(snap["loader"])
+        self._loader.restore(snap["loader"])
 
     def load_state_dict(self, state: dict) -> None:
         """Restore `state_dict()`: all of it or, if anything does not fit, none of it (ValueError naming why)."""

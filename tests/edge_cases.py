@@ -11,7 +11,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, RandomSampler, TensorDataset
 
-from course_utils.callbacks import Callback, StopTraining
+from course_utils.callbacks import Callback, LRScheduler, StopTraining  # noqa: F401
 from course_utils.data import TensorLoader
 from course_utils.trainer import Trainer
 
@@ -19,8 +19,22 @@ SAMPLES, BATCH = 72, 16
 BATCHES = 5                      # per epoch
 EPOCHS = 2
 STOP_POINTS = range(1, BATCHES + 2)  # after batch 1..5 of epoch 1, and after the first batch of epoch 2
-KINDS = ["tensor", "dataloader", "dataloader_generator", "dataloader_workers", "sampler", "stateful",
-         "stateful_workers", "list"]
+KINDS = ["tensor", "dataloader", "dataloader_generator", "dataloader_workers", "dataloader_persistent", "sampler",
+         "numpy_augment", "stateful", "stateful_workers", "list"]
+
+
+class NumpyNoisy(Dataset):
+    """A random augmentation drawn from numpy's global generator, as many augmentation libraries do."""
+
+    def __init__(self, x, y):
+        self.x, self.y = x, y
+
+    def __len__(self):
+        return len(self.y)
+
+    def __getitem__(self, i):
+        import numpy as np
+        return self.x[i] + float(np.random.normal(0, 0.1)), self.y[i]
 
 
 class Noisy(Dataset):
@@ -52,6 +66,11 @@ def loader(kind):
         return DataLoader(Noisy(x, y), batch_size=BATCH, shuffle=True, generator=gen)
     if kind == "dataloader_workers":
         return DataLoader(Noisy(x, y), batch_size=BATCH, shuffle=True, num_workers=2, generator=gen)
+    if kind == "dataloader_persistent":  # workers started once, at the first epoch (order only: no noise)
+        return DataLoader(TensorDataset(x, y), batch_size=BATCH, shuffle=True, num_workers=2, generator=gen,
+                          persistent_workers=True)
+    if kind == "numpy_augment":
+        return DataLoader(NumpyNoisy(x, y), batch_size=BATCH, shuffle=True)
     if kind == "sampler":  # a sampler with a generator of its own
         ds = Noisy(x, y)
         return DataLoader(ds, batch_size=BATCH, sampler=RandomSampler(ds, generator=gen))

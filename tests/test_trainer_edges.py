@@ -154,9 +154,11 @@ def _sgd_trainer(model=None):
                    TensorLoader(x, y, batch_size=16), device="cpu")
 
 
-@pytest.mark.parametrize("case", ["sgd_into_adamw", "shapes", "groups", "callback", "loader_kind"])
+@pytest.mark.parametrize("case", ["sgd_into_adamw", "shapes", "groups", "param_order", "callback", "loader_kind",
+                                  "loader_generators", "loader_batches", "counters"])
 def test_a_checkpoint_that_does_not_fit_is_named_and_changes_nothing(tmp_path, case, capsys):
     path = tmp_path / "ck.pt"
+    stop_at = None  # mid-epoch checkpoints for the loader cases: their position must fit the loader
     if case == "sgd_into_adamw":
         source, target, words = _sgd_trainer(), ec.trainer("tensor"), "optimizer is SGD; this trainer's is AdamW"
     elif case == "shapes":
@@ -172,13 +174,36 @@ def test_a_checkpoint_that_does_not_fit_is_named_and_changes_nothing(tmp_path, c
         target = Trainer(m, opt, nn.CrossEntropyLoss(), ec.loader("tensor"),
                          scheduler=torch.optim.lr_scheduler.StepLR(opt, 1))
         words = r"groups of \[4\] tensors; this trainer's has \[2, 2\]"
+    elif case == "param_order":  # the same group sizes, the parameters listed in another order
+        source = ec.trainer("tensor")
+        torch.manual_seed(0)
+        m = nn.Sequential(nn.Flatten(), nn.Linear(64, 32), nn.ReLU(), nn.Dropout(0.3), nn.Linear(32, 10))
+        opt = torch.optim.AdamW(list(m.parameters())[::-1])
+        target = Trainer(m, opt, nn.CrossEntropyLoss(), ec.loader("tensor"),
+                         scheduler=torch.optim.lr_scheduler.StepLR(opt, 1))
+        words = r"'exp_avg' of parameter 0 has shape \(32, 64\); this trainer's parameter 0 has shape \(10,\)"
     elif case == "callback":
         source, target, words = ec.trainer("tensor"), ec.trainer("tensor"), "LRScheduler"
         target.callbacks.clear()
-    else:
+    elif case == "loader_kind":
         source, target, words = ec.trainer("tensor"), ec.trainer("dataloader"), "kind 'stateful'"
+    elif case == "loader_generators":
+        source, target, words = ec.trainer("dataloader_generator"), ec.trainer("dataloader"), "had 1 generator"
+        stop_at = 3
+    elif case == "loader_batches":
+        source, target = ec.trainer("tensor"), ec.trainer("tensor")
+        target.train_loader.batch_size = 8
+        stop_at, words = 3, "an epoch of 5 batches; this loader has 9"
+    else:
+        source, target, words = ec.trainer("tensor"), ec.trainer("tensor"), "counters or loss history"
+    if stop_at is not None:
+        source.callbacks.append(ec.stopper(stop_at))
     source(1)
     source.save_checkpoint(path)
+    if case == "counters":  # a learner's edit of the file
+        state = torch.load(path, weights_only=True)
+        state["history"] = "abc"
+        torch.save(state, path)
     target(1)  # a trainer with some progress of its own, which a failed load must keep
     before = _snapshot(target)
     with pytest.raises(CheckpointError, match=words) as info:
@@ -205,6 +230,46 @@ def test_a_load_that_fails_half_way_is_rolled_back(tmp_path, monkeypatch, capsys
         target.load_checkpoint(tmp_path / "ck.pt")
     after = _snapshot(target)
     assert all(torch.equal(before[0][k], after[0][k]) for k in before[0]) and before[1:] == after[1:]
+
+
+def test_a_failed_load_puts_the_loaders_generators_back(tmp_path, capsys):
+    source, target, twin = (ec.trainer("dataloader_generator") for _ in range(3))
+    source(1)
+    source.save_checkpoint(tmp_path / "ck.pt")
+    state = torch.load(tmp_path / "ck.pt", weights_only=True)
+    state["ranks"][0]["position"] = {"garbage": 1}  # refused only after the loader's generators were set
+    torch.save(state, tmp_path / "bad.pt")
+    with pytest.raises(CheckpointError):
+        target.load_checkpoint(tmp_path / "bad.pt")
+    rng = torch.get_rng_state()  # the two share the global generator: give both the same
+    target(1)
+    torch.set_rng_state(rng)
+    twin(1)
+    assert not ec.same(target, twin)
+
+
+def test_a_custom_samplers_randomness_is_named_at_save_time(tmp_path):
+    import numpy as np
+
+    class NumpyOrder(torch.utils.data.Sampler):
+        def __init__(self, n):
+            self.n = n
+
+        def __len__(self):
+            return self.n
+
+        def __iter__(self):
+            return iter(np.random.permutation(self.n).tolist())
+
+    x, y = ec.data()
+    model = nn.Linear(64, 10)
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x.flatten(1), y), batch_size=16,
+                                         sampler=NumpyOrder(len(y)))
+    t = Trainer(model, torch.optim.SGD(model.parameters(), 0.1), nn.CrossEntropyLoss(), loader, device="cpu",
+                callbacks=[ec.stopper(2)])
+    t(1)
+    with pytest.warns(UserWarning, match="NumpyOrder of your own"):
+        t.save_checkpoint(tmp_path / "ck.pt")
 
 
 # --- bad input ------------------------------------------------------------------------------------
@@ -238,6 +303,17 @@ def test_a_non_finite_loss_stops_at_the_epoch_end_naming_the_batch_and_keeps_the
     assert read_checkpoint(path)["epoch"] == 1
 
 
+def test_a_non_finite_loss_before_a_stop_is_named_at_the_stop_and_not_saved(tmp_path):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Flatten(), nn.Linear(64, 10))
+    x, y = ec.data()
+    t = Trainer(model, torch.optim.SGD(model.parameters(), 0.1), NanAt(2), TensorLoader(x, y, 16), device="cpu",
+                checkpoint=tmp_path / "ck.pt", callbacks=[ec.stopper(4)])
+    with pytest.raises(NonFiniteLossError, match="nan at epoch 1, batch 2"):
+        t(2)
+    assert not (tmp_path / "ck.pt").exists()
+
+
 def test_check_finite_stops_at_the_bad_step_itself():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Flatten(), nn.Linear(64, 10))
@@ -259,13 +335,22 @@ def test_an_optimizer_over_another_models_parameters_is_refused():
 Pair = collections.namedtuple("Pair", "inputs targets")
 
 
+class Fields(tuple):
+    """A tuple subclass built from its fields, not from an iterable."""
+
+    def __new__(cls, a, b):
+        return super().__new__(cls, (a, b))
+
+
 def test_batches_keep_their_container_types_when_moved():
     t = torch.zeros(2)
-    cases = [Pair(t, t), collections.OrderedDict(a=t), collections.defaultdict(list, a=t), [t, (t, {"b": t})]]
+    cases = [Pair(t, t), collections.OrderedDict(a=t), collections.defaultdict(list, a=t), [t, (t, {"b": t})],
+             Fields(t, t)]
     for batch in cases:
         moved = move_batch(batch, torch.device("meta"))
         assert type(moved) is type(batch)
-        assert all(v.device.type == "meta" for v in torch.utils._pytree.tree_leaves(moved))
+        leaves = torch.utils._pytree.tree_leaves(tuple(moved) if type(moved) is Fields else moved)
+        assert all(v.device.type == "meta" for v in leaves)
     assert move_batch(cases[2], torch.device("meta")).default_factory is list
 
 
@@ -308,14 +393,32 @@ def test_a_hook_with_a_wrong_name_is_warned_about_with_the_nearest_hook():
         def on_step_end(self, trainer):  # an old name: never called
             pass
 
+        def onbatch_end(self, trainer, loss):  # a typo
+            pass
+
+        def summary(self):  # a method of its own: nothing to say
+            pass
+
     t = ec.trainer("tensor", callbacks=[Logger()])
-    with pytest.warns(UserWarning, match=r"Logger.on_step_end is not a Trainer hook.*did you mean on_\w+"):
+    with pytest.warns(UserWarning) as record:
         t(1)
+    said = [str(w.message) for w in record if "is not a Trainer hook" in str(w.message)]
+    assert len(said) == 2 and any("Logger.onbatch_end" in w and "did you mean on_batch_end" in w for w in said)
+    assert any("Logger.on_step_end" in w for w in said)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         t(1)  # said once
         ec.trainer("tensor", callbacks=[CheckFinite()])(1)  # a right name: nothing to say
     assert "on_step_end" not in HOOKS
+
+
+def test_reduce_lr_on_plateau_steps_on_the_epoch_loss():
+    t = ec.trainer("tensor")
+    t.callbacks.clear()
+    plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(t.optimizer, patience=0, factor=0.5, threshold=10.0)
+    t.callbacks.append(ec.LRScheduler(plateau))
+    t(2)  # a threshold no loss can beat: every epoch is a plateau
+    assert t.optimizer.param_groups[0]["lr"] == pytest.approx(1e-2 * 0.25)
 
 
 def test_an_iterable_dataset_under_torchrun_gets_advice_that_works():
