@@ -85,7 +85,13 @@ def loader(kind):
 
 
 def trainer(kind, accumulate=1, callbacks=(), **kwargs):
+    import random
+
+    import numpy as np
+
     torch.manual_seed(0)
+    np.random.seed(0)
+    random.seed(0)
     model = nn.Sequential(nn.Flatten(), nn.Linear(64, 32), nn.ReLU(), nn.Dropout(0.3), nn.Linear(32, 10))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.7)
