@@ -77,7 +77,7 @@ def test_a_distributed_run_resumes_and_its_checkpoint_loads_in_one_process(tmp_p
                              device="cpu", checkpoint=ck)
     t.load_checkpoint(ck)
     state = torch.load(ck, weights_only=True)
-    assert t.epoch == 2 and state["world_size"] == 2 and len(state["rng"]) == 2  # written by the resumed run
+    assert t.epoch == 2 and state["world_size"] == 2 and len(state["ranks"]) == 2  # written by the resumed run
     assert not any(k.startswith("module.") for k in state["model"])
 
 
