@@ -154,7 +154,10 @@ class Trainer:
       scheduler: a learning-rate scheduler stepped once per epoch (`LRScheduler(s, interval="step")` steps
           it after every optimizer step).
       checkpoint: a file path (`Checkpoint(path)`): the full state is written there atomically after every
-          epoch and when training stops early. `Trainer.load_checkpoint(path)` resumes exactly.
+          epoch and when training stops early. `Trainer.load_checkpoint(path)` resumes exactly;
+          `Checkpoint(path, every_n_steps=N)` saves every N optimizer steps too.
+      resume: True continues from the checkpoint file when it exists and starts fresh when it does not, so the
+          same script serves the first launch and every restart.
 
     Stopping and resuming. A Ctrl-C (Jupyter's interrupt button) or a callback's `StopTraining` takes effect at
     the next step boundary: the step in progress (all batches of an accumulation group) finishes, then training
@@ -185,7 +188,7 @@ class Trainer:
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn, train_loader,
                  device=None, callbacks=(), *, val_loader=None, mixed_precision=False, accumulate: int = 1,
                  grad_clip: float | None = None, oom_recovery: bool = False, checkpoint=None, scheduler=None,
-                 sync_batchnorm: bool = False, batch_fn=None):
+                 sync_batchnorm: bool = False, batch_fn=None, resume: bool = False):
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
         if not isinstance(optimizer, torch.optim.Optimizer):
@@ -241,8 +244,27 @@ class Trainer:
         self._requested: str | None = None  # a StopTraining raised on this rank, acted on at the step boundary
         self._losses: list[torch.Tensor] = []  # this epoch's batch losses (device tensors: kept, never read per step)
         self._first_loss_batch = 0   # the batch of the epoch that _losses[0] belongs to
+        self.at_step_boundary = False  # True in on_batch_end of a step's last batch: a consistent point to save
+        self._pass_over = False
         self._memory_checked = False  # the memory check runs once, before this trainer's first step
         self.memory_check = None      # its result: a course_utils.memory.FitCheck, or None where nothing is known
+        if resume:
+            self._resume()
+
+    def _resume(self) -> None:
+        """resume=True: continue from the Checkpoint callback's file if it exists, else start fresh. The same
+        command then serves the first launch and every restart (torchrun --max-restarts, a preempted job)."""
+        paths = [cb.path for cb in self.callbacks if isinstance(cb, Checkpoint)]
+        if not paths:
+            raise ValueError("resume=True continues from the checkpoint file: pass checkpoint='run.pt' (or a "
+                             "Checkpoint callback) too")
+        if not paths[0].exists():
+            if self.is_main:
+                print(_("No checkpoint at '{name}' yet: starting from scratch.").format(name=paths[0].name))
+            return
+        self.load_checkpoint(paths[0])
+        if self.is_main:
+            print(_("Resumed from '{name}' at {where}.").format(name=paths[0].name, where=self.where()))
 
     # --- callbacks ---------------------------------------------------------------------------
 
@@ -310,6 +332,7 @@ class Trainer:
             self._samples = position.samples_done
             self.batch_in_epoch = position.batches_done
         self._losses, self._first_loss_batch = [], self.batch_in_epoch
+        self._pass_over = False
         batch_start, batch_end = hooks["on_batch_start"], hooks["on_batch_end"]
         after_step = hooks["on_after_optimizer_step"]
         group: list = []
@@ -329,6 +352,7 @@ class Trainer:
                     wish = self._vote(self._wish(interrupt))  # another rank's wish arrives a few steps later
                     if wish != GO_ON:
                         return self._stop_inside_epoch(wish)
+            self._pass_over = True  # the loader's pass is over (a periodic save now must say so)
             if group:  # the last, smaller group of the epoch
                 self._step(group, after_step, batch_end)
         except KeyboardInterrupt:  # a second Ctrl-C, anywhere (maybe inside a step): that step is dropped
@@ -399,7 +423,8 @@ class Trainer:
         self.optimizer_steps += 1
         if after_step:
             self._emit(after_step)
-        for (_inputs, targets), loss in zip(group, losses):
+        last = len(group) - 1
+        for i, ((_inputs, targets), loss) in enumerate(zip(group, losses)):
             n = batch_len(targets)
             self._loss_sum.add_(loss, alpha=n)  # one fused op: sum += n * loss
             self._losses.append(loss)
@@ -407,7 +432,11 @@ class Trainer:
             self.batch_in_epoch += 1
             self.batches_trained += 1
             if batch_end:
-                self._emit(batch_end, loss)
+                self.at_step_boundary = i == last  # the group's last batch: all of the step is counted
+                try:
+                    self._emit(batch_end, loss)
+                finally:
+                    self.at_step_boundary = False
 
     def _check_memory(self, batch) -> None:
         """Before the first step: predict whether it fits (kept in `self.memory_check`) and warn, with the numbers,
@@ -520,9 +549,16 @@ class Trainer:
 
     # --- checkpoints -----------------------------------------------------------------------------
 
+    def _here(self) -> EpochPosition:
+        """Where training is inside the current epoch, at a step boundary (a periodic checkpoint's position)."""
+        return EpochPosition(self.batch_in_epoch, self._samples, self._loss_sum.item(), ckpt.rng_state(),
+                             self._loader.state_dict(self.batch_in_epoch, self._pass_over))
+
     def _rank_state(self) -> dict:
         """What differs between ranks: the random generators, the loader's position, where the epoch stopped."""
         position = self.position
+        if position is None and self.at_step_boundary:  # saving while training: here, inside the epoch
+            position = self._here()
         return {"rng": ckpt.rng_state(),
                 "loader": position.loader if position is not None else self._loader.state_dict(),
                 "position": position.to_dict() if position is not None else None}
@@ -531,7 +567,7 @@ class Trainer:
         """Everything needed to continue this run exactly: weights, optimizer, precision (loss scale), the
         step's micro-batch size, the callbacks' states, the counters, and for every rank its random
         generators and loader position (a collective in a distributed run: every rank calls it)."""
-        if self.position is not None:
+        if self.position is not None or self.at_step_boundary:
             self._loader.warn_if_inexact()
         return {
             "format": ckpt.FORMAT,
@@ -647,7 +683,11 @@ class Trainer:
         """Refuse to save non-finite weights or a non-finite running loss (a sync: once per save)."""
         tensors = [t for t in self.model.state_dict().values() if t.is_floating_point()]
         weights_ok = bool(torch.stack([t.isfinite().all() for t in tensors]).all()) if tensors else True
-        loss_ok = self.position is None or math.isfinite(self.position.loss_sum)
+        if self.position is not None:
+            loss_ok = math.isfinite(self.position.loss_sum)
+        else:  # between epochs, or a periodic save while training (the running sum: read once per save)
+            loss_ok = not self.at_step_boundary or self.precision.scaler is not None \
+                or math.isfinite(self._loss_sum.item())
         if weights_ok and loss_ok:
             return
         what = _("the weights") if not weights_ok else _("the loss of the interrupted epoch")

@@ -112,6 +112,20 @@ def main(kind, mode, path):
     print("same" if not diffs else f"differ: {diffs}", flush=True)
 
 
+def periodic(path):
+    """A run with a checkpoint every 4 steps and resume=True, printing its batches (the test kills it); then an
+    uninterrupted run in this process: prints "same" if both end bit-identical."""
+    from course_utils.callbacks import Checkpoint
+
+    t = trainer("tensor", callbacks=[Checkpoint(path, every_n_steps=4), Slow()], resume=True)
+    t(EPOCHS - t.epoch)
+    reference = trainer("tensor")
+    reference(EPOCHS)
+    same = all(torch.equal(a, b) for a, b in zip(t.model.state_dict().values(), reference.model.state_dict().values()))
+    print("same" if same and t.history == reference.history else f"differ: {t.history} {reference.history}",
+          flush=True)
+
+
 def edges(mode, folder):
     import warnings
     from pathlib import Path
@@ -145,5 +159,7 @@ def edges(mode, folder):
 if __name__ == "__main__":
     if sys.argv[1].startswith("edges-"):
         edges(sys.argv[1], sys.argv[2])
+    elif sys.argv[1] == "periodic":
+        periodic(sys.argv[2])
     else:
         main(*sys.argv[1:4])

@@ -62,6 +62,64 @@ def test_every_stop_point_resumes_exactly_for_every_loader(tmp_path, kind, capsy
     assert not bad, "\n".join(bad)
 
 
+class KeepEvery(Callback):
+    """After each step's periodic checkpoint, a copy of the file named by the step (order: after Checkpoint)."""
+
+    order = 200
+
+    def __init__(self, path):
+        self.path = path
+
+    def on_batch_end(self, trainer, loss):
+        if trainer.at_step_boundary:
+            copy = self.path.with_name(f"step{trainer.optimizer_steps}.pt")
+            copy.write_bytes(self.path.read_bytes())
+
+
+@pytest.mark.parametrize("kind", ec.KINDS)
+def test_a_periodic_checkpoint_at_every_step_resumes_exactly(tmp_path, kind, capsys):
+    from course_utils.callbacks import Checkpoint
+
+    bad = []
+    for accumulate in (1, 2):
+        reference = ec.trainer(kind, accumulate)
+        reference(ec.EPOCHS)
+        path = tmp_path / f"{kind}{accumulate}.pt"
+        saving = ec.trainer(kind, accumulate, [Checkpoint(path, every_n_steps=1), KeepEvery(path)])
+        saving(ec.EPOCHS)
+        if ec.same(saving, reference):
+            bad.append(f"acc {accumulate}: saving changed the run: {ec.same(saving, reference)}")
+        for step in range(1, saving.optimizer_steps + 1):
+            resumed = ec.trainer(kind, accumulate).load_checkpoint(path.with_name(f"step{step}.pt"))
+            assert resumed.optimizer_steps == step
+            resumed(ec.EPOCHS - resumed.epoch)
+            diffs = ec.same(resumed, reference)
+            if diffs:
+                bad.append(f"acc {accumulate} from step {step}: {diffs}")
+    assert not bad, "\n".join(bad)
+
+
+@pytest.mark.slow
+def test_a_killed_process_restarts_from_its_last_periodic_checkpoint(tmp_path):
+    """SIGKILL (no warning, nothing saved at the end), then the same command with resume=True: the run ends
+    bit-identical to an uninterrupted one, having lost at most the steps since the last periodic save."""
+    import signal
+
+    path = tmp_path / "run.pt"
+    cmd = [sys.executable, str(HERE / "resume_worker.py"), "periodic", str(path)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    for line in proc.stdout:
+        if line.strip() == "batch 17":  # epoch 2 of 12 batches; the last save was after step 16
+            proc.send_signal(signal.SIGKILL)
+            break
+    proc.wait(timeout=60)
+    assert proc.returncode == -signal.SIGKILL
+    again = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "Resumed from 'run.pt' at epoch 2, batch 4 of 12" in again.stdout, again.stdout[-2000:]
+    assert again.stdout.strip().splitlines()[-1] == "same", again.stdout[-2000:]
+
+
 @pytest.mark.parametrize("hook", ["on_batch_start", "on_after_backward", "on_before_optimizer_step",
                                   "on_after_optimizer_step", "on_batch_end"])
 @pytest.mark.parametrize("kind", ["tensor", "dataloader"])
