@@ -74,30 +74,40 @@ def read_checkpoint(path, map_location=None) -> dict:
     return ckpt.load(path, map_location=map_location)
 
 
+PREEMPTED_EXIT = 128 + signal.SIGTERM  # the status of a process ended by SIGTERM: "stopped from outside, saved"
+
+
 class _DeferInterrupt:
     """While active, a first Ctrl-C (SIGINT, also Jupyter's "interrupt kernel") only sets a flag that the
-    loop reads between steps, so a step is never cut in half; a second Ctrl-C interrupts at once."""
+    loop reads between steps, so a step is never cut in half; a second Ctrl-C interrupts at once. SIGTERM (what
+    a cluster scheduler sends before it preempts a job, and torchrun to its workers) is deferred the same way."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
     def __init__(self):
         self.requested = False
-        self._previous = None
+        self.terminated = False
+        self._previous: dict = {}
 
     def _handler(self, signum, frame):
-        if self.requested:  # second Ctrl-C: the learner really wants out now
-            signal.signal(signal.SIGINT, self._previous)
+        if signum == signal.SIGTERM:
+            self.requested = self.terminated = True
+            return
+        if self.requested and not self.terminated:  # second Ctrl-C: the learner really wants out now
+            signal.signal(signal.SIGINT, self._previous.pop(signal.SIGINT))
             raise KeyboardInterrupt
         self.requested = True
 
     def __enter__(self):
-        self.requested = False
+        self.requested = self.terminated = False
         if threading.current_thread() is threading.main_thread():
-            self._previous = signal.signal(signal.SIGINT, self._handler)
+            self._previous = {s: signal.signal(s, self._handler) for s in self.SIGNALS}
         return self
 
     def __exit__(self, *exc):
-        if self._previous is not None:
-            signal.signal(signal.SIGINT, self._previous)
-            self._previous = None
+        for s, previous in self._previous.items():
+            signal.signal(s, previous)
+        self._previous = {}
         return False
 
 
@@ -159,8 +169,9 @@ class Trainer:
       resume: True continues from the checkpoint file when it exists and starts fresh when it does not, so the
           same script serves the first launch and every restart.
 
-    Stopping and resuming. A Ctrl-C (Jupyter's interrupt button) or a callback's `StopTraining` takes effect at
-    the next step boundary: the step in progress (all batches of an accumulation group) finishes, then training
+    Stopping and resuming. A Ctrl-C (Jupyter's interrupt button), a SIGTERM (a scheduler preempting the job) or a
+    callback's `StopTraining` takes effect at the next step boundary (after a SIGTERM, once the Checkpoint
+    callback has saved, the trainer raises SystemExit with status 143, SIGTERM's): the step in progress (all batches of an accumulation group) finishes, then training
     stops, so every stop lies between two optimizer steps. Calling the trainer again, or loading the checkpoint
     in a new process, continues from there and ends bit-identical to an uninterrupted run (weights, optimizer,
     loss history, random state), for the course's TensorLoader, torch DataLoaders (with or without workers,
@@ -459,11 +470,12 @@ class Trainer:
         self._requested = None
         self.epochs_this_call = epochs
         hooks = self._connect()
+        interrupt = _DeferInterrupt()
         try:
             if self._stop_between_epochs(hooks["on_train_start"]):
                 self._stopped_early(between_epochs=True)
                 return losses
-            with _DeferInterrupt() as interrupt:
+            with interrupt:
                 for _epoch in range(epochs):
                     if self._stop_between_epochs(hooks["on_epoch_start"]):
                         self._stopped_early(between_epochs=True)
@@ -490,6 +502,11 @@ class Trainer:
         finally:
             self._emit(hooks["on_train_end"])
             self._requested = None
+        if interrupt.terminated:  # preempted: the state is saved (with a Checkpoint); leave with SIGTERM's status
+            if self.is_main:
+                print(_("Stopped by SIGTERM at {where}; exiting with status {status}.").format(
+                    where=self.where(), status=PREEMPTED_EXIT), flush=True)
+            raise SystemExit(PREEMPTED_EXIT)
         return losses
 
     def where(self) -> str:

@@ -120,6 +120,28 @@ def test_a_killed_process_restarts_from_its_last_periodic_checkpoint(tmp_path):
     assert again.stdout.strip().splitlines()[-1] == "same", again.stdout[-2000:]
 
 
+@pytest.mark.slow
+def test_a_sigterm_stops_at_the_step_boundary_saves_and_exits_with_its_status(tmp_path):
+    """What a cluster scheduler sends before it preempts a job: the run saves where it is, exits with 143, and the
+    same command with resume=True ends bit-identical to an uninterrupted run."""
+    import signal
+
+    path = tmp_path / "run.pt"
+    cmd = [sys.executable, str(HERE / "resume_worker.py"), "periodic", str(path)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    for line in proc.stdout:
+        if line.strip() == "batch 17":
+            proc.send_signal(signal.SIGTERM)
+            break
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 143, err[-3000:]
+    assert "Stopped by SIGTERM at epoch 2, batch 5 of 12" in out, out
+    again = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "Resumed from 'run.pt' at epoch 2, batch 5 of 12" in again.stdout, again.stdout[-2000:]
+    assert again.stdout.strip().splitlines()[-1] == "same", again.stdout[-2000:]
+
+
 @pytest.mark.parametrize("hook", ["on_batch_start", "on_after_backward", "on_before_optimizer_step",
                                   "on_after_optimizer_step", "on_batch_end"])
 @pytest.mark.parametrize("kind", ["tensor", "dataloader"])
