@@ -19,38 +19,32 @@ def _device_of(model: nn.Module) -> torch.device:
     return first.device if first is not None else torch.device("cpu")
 
 
-def _changing_buffers(model: nn.Module) -> list[torch.Tensor]:
-    """The buffers a training-mode forward may change: those of modules that track running statistics
-    (BatchNorm and its kind). Other buffers (masks, positional tables) are not copied at every step."""
-    found = []
-    for module in model.modules():
-        if getattr(module, "track_running_stats", False) and module.training:
-            found += [b for b in module.buffers(recurse=False) if b is not None]
-    return found
+class _BufferGuard:
+    """Copies of the buffers a training-mode forward changes (the running statistics of BatchNorm and its
+    kind), taken before each attempt of a step and put back if it runs out of memory. The modules are found
+    once, at the first step; each step copies into buffers allocated once, in one foreach call, and a model
+    without such modules costs nothing."""
 
+    def __init__(self, model: nn.Module):
+        self.modules = [m for m in model.modules() if getattr(m, "track_running_stats", False)]
+        self.shadows: dict[int, torch.Tensor] = {}
+        self.saved: list[torch.Tensor] = []
 
-class _BufferCopy:
-    """A copy of `buffers` in one flat tensor per dtype: a handful of copies per step however many
-    BatchNorm layers the model has, and nothing at all for a model without them."""
-
-    def __init__(self, buffers: list[torch.Tensor]):
-        self.buffers = buffers
-        self.flat: dict[tuple, torch.Tensor] = {}
+    def save(self) -> None:
+        if not self.modules:
+            return
+        self.saved = [b for m in self.modules if m.training for b in m.buffers(recurse=False) if b is not None]
+        shadows = [self.shadows.get(id(b)) for b in self.saved]
+        if any(s is None or s.shape != b.shape for s, b in zip(shadows, self.saved)):
+            self.shadows = {id(b): torch.empty_like(b) for b in self.saved}
+            shadows = [self.shadows[id(b)] for b in self.saved]
         with torch.no_grad():
-            groups: dict[tuple, list[torch.Tensor]] = {}
-            for b in buffers:
-                groups.setdefault((b.dtype, b.device), []).append(b.reshape(-1))
-            for key, parts in groups.items():
-                self.flat[key] = torch.cat(parts)
+            torch._foreach_copy_(shadows, self.saved)  # one call for all of them (what torch's optimizers use)
 
     def restore(self) -> None:
-        offsets = {key: 0 for key in self.flat}
         with torch.no_grad():
-            for b in self.buffers:
-                key = (b.dtype, b.device)
-                n = b.numel()
-                b.copy_(self.flat[key][offsets[key]:offsets[key] + n].view_as(b))
-                offsets[key] += n
+            for b in self.saved:
+                b.copy_(self.shadows[id(b)])
 
 
 # --- the OOM-resilient training step -----------------------------------------------------------
@@ -110,6 +104,7 @@ class ResilientStep:
         self.micro_batch_size: int | None = None  # None: whole batches fit so far
         self.oom_count = 0
         self.clean_steps = 0  # steps in a row that fit at the current chunk size
+        self._buffers: _BufferGuard | None = None  # made at the first step
 
     @property
     def model(self) -> nn.Module:
@@ -136,11 +131,12 @@ class ResilientStep:
         if largest == 0:
             raise ValueError(_("empty batch"))
         first_step = not self.optimizer.state  # Adam & co. create their state on their first step
-        buffers = _changing_buffers(self.model)
+        if self._buffers is None:
+            self._buffers = _BufferGuard(self.model)
         while True:
             chunk = self.micro_batch_size if self.micro_batch_size is not None and self.micro_batch_size < largest \
                 else None
-            saved = _BufferCopy(buffers)  # what the forward may change (BatchNorm statistics): one copy per dtype
+            self._buffers.save()  # what the forward may change (BatchNorm statistics)
             failure = None
             try:
                 losses = self.step.group(batches, chunk_size=chunk)
@@ -167,8 +163,7 @@ class ResilientStep:
             reset = getattr(self.precision, "reset", None)
             if callable(reset):
                 reset(self.optimizer)
-            saved.restore()
-            del saved
+            self._buffers.restore()
             free_memory()
             current = chunk if chunk is not None else largest
             if current == 1:
