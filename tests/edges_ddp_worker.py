@@ -16,26 +16,17 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader
 
 from course_utils import distributed
 from course_utils.callbacks import Callback, StopTraining
 from course_utils.data import TensorLoader
 from course_utils.trainer import NonFiniteLossError, Trainer
 
+from edge_cases import Noisy  # a random augmentation in __getitem__ (tests/edge_cases.py)
+
 KINDS = ["tensor", "dataloader"]
 EPOCHS = 3
-
-
-class Noisy(Dataset):
-    def __init__(self, x, y):
-        self.x, self.y = x, y
-
-    def __len__(self):
-        return len(self.y)
-
-    def __getitem__(self, i):  # drawn from each rank's own global generator (no workers)
-        return self.x[i] + 0.1 * torch.randn_like(self.x[i]), self.y[i]
 
 
 def trainer(kind, loss_fn=None, **kwargs):
