@@ -12,9 +12,10 @@ The pieces the `Trainer` uses (a plain script that builds a Trainer runs data-pa
 - `all_sum(values, process)`: sums over ranks (epoch losses and validation metrics are global, the same on every
   rank).
 - `StopVote(process)`: whether any rank wants to stop (a Ctrl-C, a SIGTERM or a callback's StopTraining that reached
-  only some ranks), agreed without a blocking collective per step: each step posts its wish in an asynchronous CPU
-  all-reduce every few steps and reads the one it posted before, long finished by then. Every rank reads the same
-  answers at the same step, so all ranks stop at the same step. `settle()` (at an epoch's end) waits for the answer.
+  only some ranks), agreed without a blocking collective per step: an asynchronous CPU all-reduce about every
+  quarter second (at least 8 steps apart) carries the wishes, and the one posted before, long finished by then, is
+  read. Every rank reads the same answers at the same step, so all ranks stop at the same step. `settle()` (at an
+  epoch's end) waits for the answer.
 - `gather_objects(obj, process)`: one Python object from every rank (the random generators' states).
 
 Importing this module touches no device and starts nothing.
@@ -24,6 +25,7 @@ from __future__ import annotations
 import atexit
 import os
 import sys
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -34,6 +36,7 @@ from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, Ra
 from .i18n import _
 
 ENV_TIMEOUT = "COURSE_DIST_TIMEOUT"  # seconds a collective may wait for the other ranks (default 300)
+ENV_VOTE_SECONDS = "COURSE_STOP_VOTE_SECONDS"  # about how often ranks agree on a stop (default 0.25; 0: every 8 steps)
 
 
 @dataclass
@@ -219,23 +222,44 @@ class StopVote:
         wish = vote(local_wish)   # every step: this rank's wish in, the agreed one out (0 most of the time)
         wish = vote.settle(local_wish)   # an epoch's end: wait for everything posted, and this wish too
 
-    A wish is an int (0: go on; larger wins: 1 StopTraining, 2 Ctrl-C). Every `every`-th call posts the wishes
-    made since the last post in an asynchronous all-reduce (MAX) on a CPU group of its own, and reads the one it
-    posted `every` calls earlier, finished long ago: no blocking round trip, and one small collective per `every`
-    steps instead of one per step. All ranks make the same calls, so they read the same answers at the same
-    step and stop together: at most 2 x `every` steps after the wish. Outside a distributed run a wish is its own
-    answer, at once.
+    A wish is an int (0: go on; larger wins: 1 StopTraining, 2 Ctrl-C). Every `every` calls, the wishes made
+    since the last post go out in an asynchronous all-reduce (MAX) on a CPU group of its own, and the answer of
+    the post before, finished long ago, is read: no blocking round trip. A post is not free on a busy CPU (its
+    thread competes with the gradient all-reduce for the cores), so the interval adapts: each post also
+    proposes how many steps fill about `seconds` (default 0.25 s, at least `every`), and from the answer on all
+    ranks use the largest proposal. All ranks make the same calls and read the same answers at the same call,
+    so they stop together: about 2 x `seconds` (at least 2 x `every` steps) after the wish. `seconds=None`
+    keeps `every` fixed (the environment variable COURSE_STOP_VOTE_SECONDS=0 does the same, for tests that
+    need the stop at a known step). Outside a distributed run a wish is its own answer, at once.
     """
 
-    def __init__(self, process: Process | None, every: int = 8):
+    MAX_EVERY = 4096  # steps: a bound on the interval whatever a step costs
+
+    def __init__(self, process: Process | None, every: int = 8, seconds: float | None = None):
+        if seconds is None:
+            seconds = float(os.environ.get(ENV_VOTE_SECONDS, "0.25"))
         self.process = process
         self.every = every
-        self._calls = 0
+        self.least = every
+        self.seconds = seconds if seconds and seconds > 0 else None
+        self._left = every    # calls until the next post
         self._wish = 0        # the largest wish made since the last post
         self._pending = None  # (work, tensor) of the last posted wish
+        self._posted_at: float | None = None  # when the last post went out (None: not timed since a settle)
 
-    def _post(self, wish: int) -> None:
-        t = torch.tensor([wish], dtype=torch.int64)
+    def _proposal(self, steps: int) -> int:
+        """The interval this rank proposes: how many steps fill about `seconds`, from the `steps` since the last
+        post."""
+        now = time.perf_counter()
+        proposal = 0  # 0: no proposal (nothing timed yet)
+        if self.seconds is not None and self._posted_at is not None and now > self._posted_at:
+            step = (now - self._posted_at) / steps
+            proposal = min(self.MAX_EVERY, max(self.least, int(self.seconds / step)))
+        self._posted_at = now
+        return proposal
+
+    def _post(self, wish: int, proposal: int = 0) -> None:
+        t = torch.tensor([wish, proposal], dtype=torch.int64)
         work = dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.process.cpu_group, async_op=True)
         self._pending = (work, t)
 
@@ -244,19 +268,24 @@ class StopVote:
             return 0
         work, t = self._pending
         self._pending = None
-        work.wait()  # posted a step ago on every rank: done already, nothing to wait for
-        return int(t.item())
+        work.wait()  # posted `every` steps ago on every rank: done already, nothing to wait for
+        wish, proposal = t.tolist()
+        if proposal:
+            self.every = proposal  # the same answer on every rank: they change the interval at the same call
+        return wish
 
     def __call__(self, wish: int) -> int:
         if self.process is None:
             return wish
         self._wish = max(self._wish, wish)
-        self._calls += 1
-        if self._calls % self.every:
+        self._left -= 1
+        if self._left > 0:
             return 0
+        steps = self.every  # the interval that just ran out (reading may change it)
         agreed = self._read()
-        self._post(self._wish)
+        self._post(self._wish, self._proposal(steps))
         self._wish = 0
+        self._left = self.every
         return agreed
 
     def settle(self, wish: int = 0) -> int:
@@ -265,7 +294,7 @@ class StopVote:
             return wish
         agreed = self._read()
         self._post(max(self._wish, wish))
-        self._wish, self._calls = 0, 0
+        self._wish, self._left, self._posted_at = 0, self.every, None
         return max(agreed, self._read())
 
 

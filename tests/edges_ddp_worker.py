@@ -2,7 +2,8 @@
 
     torchrun ... edges_ddp_worker.py first DIR    # per loader kind: a run stopped by rank 1 alone mid-epoch 2
                                                   # (checkpoint DIR/KIND.pt); a stop in on_epoch_end on rank 1;
-                                                  # a nan loss on rank 1. Rank 0 writes DIR/first.json.
+                                                  # a nan loss on rank 1; a stop with the vote's interval
+                                                  # adapting to slow steps. Rank 0 writes DIR/first.json.
     torchrun ... edges_ddp_worker.py finish DIR   # per kind: an uninterrupted run and a resume of DIR/KIND.pt in
                                                   # this new group; rank 0 writes DIR/finish.json
 
@@ -11,7 +12,9 @@ rank), so a resume is only exact if every rank gets its own random state back.
 """
 import json
 import math
+import os
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -55,6 +58,13 @@ class Rank1Stops(Callback):
     def on_epoch_end(self, trainer, logs):
         if self.at is None and trainer.process.rank == 1 and trainer.epoch == 1:
             raise StopTraining("rank 1 asked at an epoch end")
+
+
+class Slow(Callback):
+    """Steps of about 10 ms, so that the vote's interval has something to adapt to."""
+
+    def on_batch_end(self, trainer, loss):
+        time.sleep(0.01)
 
 
 class NanOnRank1(nn.Module):
@@ -103,6 +113,13 @@ def main(mode, folder):
         except NonFiniteLossError as exc:
             message = str(exc)
         out["nan"] = distributed.gather_objects(message, t.process)
+        # the vote's interval adapted to the step time (the test runs set COURSE_STOP_VOTE_SECONDS=0 for the fixed
+        # cadence above): the same interval on both ranks, so a stop asked by rank 1 still stops both together
+        os.environ[distributed.ENV_VOTE_SECONDS] = "0.5"
+        t = trainer("tensor", callbacks=[Slow(), Rank1Stops(at=60)])
+        t(EPOCHS)
+        out["adaptive"] = distributed.gather_objects({"every": t._vote.every, "batches": t.batches_trained,
+                                                      "reason": t.stop_reason}, t.process)
     if distributed.Process.from_environment().rank == 0:
         (folder / f"{mode}.json").write_text(json.dumps(out, indent=1))
 

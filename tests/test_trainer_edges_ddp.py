@@ -18,7 +18,8 @@ pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="to
 
 def torchrun(*args, timeout=300):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", *map(str, args)]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", COURSE_DIST_TIMEOUT="60")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", COURSE_DIST_TIMEOUT="60",
+               COURSE_STOP_VOTE_SECONDS="0")  # the vote every 8 steps: stops land at known steps
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
 
 
@@ -38,6 +39,10 @@ def test_per_rank_state_stop_agreement_and_nan_under_torchrun(tmp_path):
         assert [r["reason"] for r in ranks] == ["rank 1 asked at batch 27"] * 2, ranks
     assert stopped["epoch_end"] == [{"epoch": 1, "reason": "rank 1 asked at an epoch end"}] * 2
     assert all(m is not None and "epoch 1, batch 9 on rank 1" in m for m in stopped["nan"]), stopped["nan"]
+    adaptive = stopped["adaptive"]  # ~10 ms steps, a vote about every 0.5 s: some 40 steps apart, never 8
+    assert adaptive[0] == adaptive[1], adaptive
+    assert 8 < adaptive[0]["every"] <= 60 and adaptive[0]["reason"] == "rank 1 asked at batch 60", adaptive
+    assert 60 <= adaptive[0]["batches"] <= 72, adaptive
 
     finish = torchrun(HERE / "edges_ddp_worker.py", "finish", tmp_path)
     assert finish.returncode == 0, finish.stderr[-3000:]
