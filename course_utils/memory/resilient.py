@@ -1,6 +1,7 @@
 """`ResilientStep`: a training step that survives OOM by splitting the batch into micro-batches."""
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable
 from typing import Any
 
@@ -22,29 +23,30 @@ def _device_of(model: nn.Module) -> torch.device:
 class _BufferGuard:
     """Copies of the buffers a training-mode forward changes (the running statistics of BatchNorm and its
     kind), taken before each attempt of a step and put back if it runs out of memory. The modules are found
-    once, at the first step; each step copies into buffers allocated once, in one foreach call, and a model
-    without such modules costs nothing."""
+    once, at the first step, and the copies allocated once (again only if a buffer is replaced, e.g. by
+    `model.to(...)`); each step is then one foreach copy. A model without such modules costs nothing."""
 
     def __init__(self, model: nn.Module):
         self.modules = [m for m in model.modules() if getattr(m, "track_running_stats", False)]
-        self.shadows: dict[int, torch.Tensor] = {}
-        self.saved: list[torch.Tensor] = []
+        self.saved: list[torch.Tensor] = []    # the buffers copied at the last save
+        self.shadows: list[torch.Tensor] = []  # their copies
 
     def save(self) -> None:
         if not self.modules:
             return
-        self.saved = [b for m in self.modules if m.training for b in m.buffers(recurse=False) if b is not None]
-        shadows = [self.shadows.get(id(b)) for b in self.saved]
-        if any(s is None or s.shape != b.shape for s, b in zip(shadows, self.saved)):
-            self.shadows = {id(b): torch.empty_like(b) for b in self.saved}
-            shadows = [self.shadows[id(b)] for b in self.saved]
-        with torch.no_grad():
-            torch._foreach_copy_(shadows, self.saved)  # one call for all of them (what torch's optimizers use)
+        # the buffers of modules in training mode (an eval-mode BatchNorm changes nothing), read from `_buffers`
+        # directly: `Module.buffers()` costs more than the copy itself
+        current = [b for m in self.modules if m.training for b in m._buffers.values() if b is not None]
+        if len(current) != len(self.saved) or not all(map(operator.is_, current, self.saved)):
+            self.saved, self.shadows = current, [torch.empty_like(b) for b in current]
+        if current:
+            with torch.no_grad():
+                torch._foreach_copy_(self.shadows, current)  # one call for all of them (what torch's optimizers use)
 
     def restore(self) -> None:
-        with torch.no_grad():
-            for b in self.saved:
-                b.copy_(self.shadows[id(b)])
+        if self.saved:
+            with torch.no_grad():
+                torch._foreach_copy_(self.saved, self.shadows)
 
 
 # --- the OOM-resilient training step -----------------------------------------------------------
