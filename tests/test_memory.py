@@ -19,7 +19,9 @@ from course_utils.memory import (
     checkpointed, estimate_training_memory, find_max_batch_size, format_bytes, free_memory, is_oom_error,
     limit_gpu_memory, parse_bytes,
 )
+from course_utils.amp import MixedPrecision
 from course_utils.models import CifarCNN, SimpleCNN
+from course_utils.step import TrainStep
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on machines without CUDA")
@@ -1005,3 +1007,42 @@ def test_simulated_oom_message_is_worded_as_this_torch_words_cuda_s():
                + re.escape(phrases[6] + phrases[7]) + size + re.escape(phrases[8]))
     assert re.match(pattern, str(info.value)), str(info.value)
     assert gpu.oom_count == 1
+
+
+class OomAbove(nn.Module):
+    """Runs out of memory on batches larger than `limit`, after the layers before it ran (BatchNorm included)."""
+
+    def __init__(self, limit):
+        super().__init__()
+        self.limit = limit
+
+    def forward(self, x):
+        if len(x) > self.limit:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return x
+
+
+def test_resilient_step_puts_back_the_batchnorm_statistics_a_failed_attempt_changed():
+    """The failed whole-batch attempt updated BatchNorm's running statistics before running out of memory; the
+    retry in chunks must start from the statistics before it, like a step run in chunks from the start (the
+    oracle). Also after the buffers were replaced by new tensors (what `model.to(...)` does)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(20, 8), nn.BatchNorm1d(8), OomAbove(8), nn.ReLU(), nn.Linear(8, 5))
+    oracle = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    oracle_step = TrainStep(oracle, torch.optim.SGD(oracle.parameters(), lr=0.1), F.cross_entropy,
+                            MixedPrecision("cpu", enabled=False))
+    step = ResilientStep(model, opt, F.cross_entropy, regrow_after=1)  # whole batches again after each step
+    x, y = batch(16)
+    for replace in (False, True, False):
+        if replace:  # new buffer tensors, same values: the guard must copy the new ones, not the old
+            for bn in (model[1], oracle[1]):
+                bn.running_mean = bn.running_mean.clone()
+                bn.running_var = bn.running_var.clone()
+        step(x, y)
+        oracle_step.group([(x, y)], chunk_size=8)
+        for name, b in model[1].named_buffers():
+            assert torch.equal(b, dict(oracle[1].named_buffers())[name]), (replace, name)
+        for p, q in zip(model.parameters(), oracle.parameters()):
+            torch.testing.assert_close(p, q)
+    assert step.oom_count == 3 and int(model[1].num_batches_tracked) == 6
