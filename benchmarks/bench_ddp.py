@@ -104,7 +104,7 @@ def main():
           f" ms: DDP adds {s['ddp_overhead_seconds'] * 1e3:.1f} ms a step)")
     print(f"scaling efficiency of {nproc} processes: {s['scaling_efficiency']:.2f} "
           f"(throughput {nproc * s['scaling_efficiency']:.2f}x one process)")
-    t = trainer_against_hand(rounds=5 if args.quick else 11, steps=200 if args.quick else 400)
+    t = trainer_against_hand(rounds=5 if args.quick else 21, steps=200 if args.quick else 400)
     result["trainer_vs_hand"] = t
     r = t["paired_ratio"]
     print(f"Trainer under torchrun against a hand-written DDP loop ({t['model']}, {t['steps_per_epoch']} steps an "

@@ -3,9 +3,9 @@
 - `choose_dtype(device)`: bfloat16 on CPUs and on CUDA GPUs with native bf16 (Ampere and newer),
   float16 on older CUDA GPUs and on Apple MPS.
 - `autocast(device, dtype="auto")`: the matching `torch.amp.autocast` context.
-- `MixedPrecision`: autocast + a `GradScaler` (only for float16) behind three calls:
-  `autocast()`, `backward(loss)`, `unscale_(optimizer)`, `step(optimizer, ...)`; `enabled=False` is float32
-  behind the same calls. `train_step` runs one `course_utils.step.TrainStep` with it.
+- `MixedPrecision(device, dtype)`: one of three classes with the same calls, chosen once (`Float32`, `Autocast`
+  for bf16, `ScaledFloat16` with a `GradScaler`): `autocast()`, `backward(loss)`, `unscale_(optimizer)`,
+  `step(optimizer)`. `train_step` runs one `course_utils.step.TrainStep` with it (clipping lives there).
 - `autocast_dtype_table(device)` and `underflow_fraction(grads)`: measurements for the notebook.
 
 Only the device-generic `torch.amp` API is used; the old `torch.cuda.amp` names are deprecated.
@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .i18n import _
-from .step import TrainStep, optimizer_params
+from .step import TrainStep
 
 DeviceLike = Union[str, torch.device]
 DtypeLike = Union[str, torch.dtype]
@@ -136,95 +136,134 @@ def _found_inf(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer) -
 
 
 class MixedPrecision:
-    """Autocast, loss scaling and the optimizer step for one device, as three calls.
+    """Autocast, loss scaling and the optimizer step for one device, behind four calls.
 
         precision = MixedPrecision(device)            # bf16 on CPU / Ampere+, fp16 (+ GradScaler) otherwise
         with precision.autocast():
             loss = loss_fn(model(x), y)
         precision.backward(loss)
-        applied = precision.step(optimizer, clip_grad_norm=1.0)
+        precision.unscale_(optimizer)                 # gradients in true units (clip or inspect them here)
+        applied = precision.step(optimizer)           # False if a float16 step was skipped
 
-    `enabled=False` (or dtype float32) keeps everything in float32 with the same calls, so one loop
-    can compare both. A `GradScaler` exists only for float16, built with the device type named:
-    a bare `GradScaler()` means CUDA and silently disables itself on machines without it.
+    `MixedPrecision(device, dtype, enabled)` builds the class that fits, once: `Float32` (enabled=False or dtype
+    float32: no autocast, no scaling; every call does the plain thing), `Autocast` (bfloat16: autocast only, no scaling
+    needed) or `ScaledFloat16` (float16 with a `GradScaler`, built with the device type
+    named: a bare `GradScaler()` means CUDA and silently disables itself on machines without it). The three have
+    the same methods, so a loop calls them without asking which one it has. Clipping and the gradient norm belong
+    to the step that calls them (`course_utils.step.TrainStep`), after `unscale_`.
     """
+
+    scaler: torch.amp.GradScaler | None = None  # only ScaledFloat16 has one
+    enabled = False  # whether autocast is on
+
+    def __new__(cls, device: DeviceLike | None = None, dtype: DtypeLike = "auto", enabled: bool = True, **kwargs):
+        if cls is MixedPrecision:  # choose the class once, from the device and dtype
+            cls = {torch.float32: Float32, torch.float16: ScaledFloat16}.get(_dtype_for(device, dtype, enabled),
+                                                                            Autocast)
+        return super().__new__(cls)
 
     def __init__(self, device: DeviceLike, dtype: DtypeLike = "auto", enabled: bool = True, *,
                  init_scale: float = 2.0 ** 16, growth_interval: int = 2000):
         self.device = _as_device(device)
-        _check_usable(self.device)
-        if enabled:
-            self.dtype = resolve_dtype(self.device, dtype)
-        else:
-            resolve_dtype(self.device, "fp32" if dtype == "auto" else dtype)  # still reject bad names
-            self.dtype = torch.float32
-        self.enabled = self.dtype != torch.float32
-        self.scaler: torch.amp.GradScaler | None = None
-        if self.dtype == torch.float16:
-            self.scaler = torch.amp.GradScaler(self.device.type, init_scale=init_scale,
-                                               growth_interval=growth_interval)
-        self._unscaled: set[int] = set()  # ids of optimizers whose gradients unscale_ divided already
-        self.skipped_steps = 0  # optimizer steps the scaler skipped because of inf/nan gradients
-        self.last_grad_norm: torch.Tensor | None = None  # from clipping; a device tensor (no sync)
+        self.dtype = _dtype_for(self.device, dtype, enabled)
+        self.skipped_steps = 0  # optimizer steps a GradScaler skipped because of inf/nan gradients
 
     def __repr__(self) -> str:
-        scaler = "GradScaler" if self.scaler is not None else "None"
-        return f"MixedPrecision(device={self.device}, dtype={self.dtype}, scaler={scaler})"
+        return f"{type(self).__name__}(device={self.device}, dtype={self.dtype})"
 
     def autocast(self) -> ContextManager:
-        """A fresh autocast context for the forward pass and loss; a no-op when disabled."""
-        if not self.enabled:
-            return contextlib.nullcontext()
-        return torch.amp.autocast(self.device.type, dtype=self.dtype)
+        """The context for the forward pass and loss: a fresh autocast context, or nothing in float32."""
+        return contextlib.nullcontext()
 
     def backward(self, loss: torch.Tensor) -> None:
-        """`loss.backward()`, with the loss multiplied by the scaler's scale first when one exists."""
-        if self.scaler is not None:
-            self.scaler.scale(loss).backward()
-        else:
-            loss.backward()
+        """`loss.backward()` (the loss multiplied by the scale first, under ScaledFloat16)."""
+        loss.backward()
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
-        """Divide `optimizer`'s gradients by the loss scale, in place, so they are in true units (for
-        clipping or inspecting them before `step`). Without a scaler (bf16, fp32) there is nothing to do.
-        Calling it twice before a step does nothing the second time."""
-        if self.scaler is None or id(optimizer) in self._unscaled:
+        """Put `optimizer`'s gradients in true units, in place, before clipping or inspecting them. Only
+        ScaledFloat16 has anything to do; twice before a step does nothing the second time."""
+
+    def step(self, optimizer: torch.optim.Optimizer) -> bool:
+        """`optimizer.step()`; returns False if the step was skipped (only a GradScaler skips), with no sync."""
+        optimizer.step()
+        return True
+
+    def reset(self, optimizer: torch.optim.Optimizer) -> None:
+        """Forget a half-done step (after an error between backward and step, e.g. out of memory)."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """Checkpointable state: the dtype and the scaler's scale/growth tracker (reading them syncs once)."""
+        return {"dtype": str(self.dtype).removeprefix("torch."),
+                "scaler": self.scaler.state_dict() if self.scaler is not None else {}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore the scaler state saved by `state_dict()`.
+        A checkpoint without scaler state (a bf16 or fp32 run) leaves a fresh scaler; scaler state
+        loaded into a run without a scaler (an fp16 checkpoint resumed in bf16) is not needed and dropped.
+        """
+        if not isinstance(state, dict) or "scaler" not in state or not isinstance(state["scaler"], dict):
+            raise ValueError(_("not a MixedPrecision state: expected a dict from MixedPrecision.state_dict() "
+                               "with a 'scaler' entry"))
+        if self.scaler is not None and state["scaler"]:
+            self.scaler.load_state_dict(state["scaler"])
+
+
+def _dtype_for(device: DeviceLike, dtype: DtypeLike, enabled: bool) -> torch.dtype:
+    """The dtype a MixedPrecision runs in; checks the device can run it."""
+    dev = _as_device(device)
+    _check_usable(dev)
+    if enabled:
+        return resolve_dtype(dev, dtype)
+    resolve_dtype(dev, "fp32" if dtype == "auto" else dtype)  # still reject bad names
+    return torch.float32
+
+
+class Float32(MixedPrecision):
+    """No mixed precision: float32 behind the same calls, each doing the plain thing."""
+
+
+class Autocast(MixedPrecision):
+    """Autocast to bfloat16 (same exponent range as float32: no loss scaling needed)."""
+
+    enabled = True
+
+    def autocast(self) -> ContextManager:
+        return torch.amp.autocast(self.device.type, dtype=self.dtype)
+
+
+class ScaledFloat16(Autocast):
+    """Autocast to float16 with a `GradScaler`: the loss is scaled up before backward so that small gradients
+    do not underflow, the gradients are scaled back down before the step, and steps with inf/nan gradients are
+    skipped (the scale then backs off)."""
+
+    def __init__(self, device: DeviceLike, dtype: DtypeLike = "auto", enabled: bool = True, *,
+                 init_scale: float = 2.0 ** 16, growth_interval: int = 2000):
+        super().__init__(device, dtype, enabled)
+        self.scaler = torch.amp.GradScaler(self.device.type, init_scale=init_scale, growth_interval=growth_interval)
+        self._unscaled: set[int] = set()  # ids of optimizers whose gradients unscale_ divided already
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self.scaler.scale(loss).backward()
+
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        if id(optimizer) in self._unscaled:
             return
         if self.scaler._scale is None:  # scale() was never called: no scaled backward happened
             raise RuntimeError(_("step() before any backward(loss): call precision.backward(loss) first"))
         self.scaler.unscale_(optimizer)  # grads /= scale in place and inf/nan flag on the device; no sync
         self._unscaled.add(id(optimizer))
 
-    def step(self, optimizer: torch.optim.Optimizer, parameters: Iterable[torch.Tensor] | None = None,
-             clip_grad_norm: float | None = None) -> bool:
-        """Unscale, optionally clip, step and update the scale. Returns False if the step was skipped.
-
-        Without a scaler (bf16, fp32) nothing is ever skipped: True comes back with no device sync.
-        With a scaler (fp16) the answer costs one CPU-GPU sync, the same one `GradScaler.step` makes
-        for ordinary optimizers: it must know on the CPU whether to call `optimizer.step()`. We read the
-        inf/nan flag computed by `unscale_` first (sync), then `scaler.step` reads the same flag again
-        with nothing new queued, so it waits for nothing. (Comparing `get_scale()` before and after
-        would cost two syncs, the second one after the optimizer step.) Fused optimizers
-        (`Adam(fused=True)`) normally skip on the GPU with no sync; asking for this bool adds one.
-
-        `parameters` (default: all of the optimizer's) are clipped to total norm `clip_grad_norm`
-        after unscaling, so the threshold is in true gradient units.
-        """
-        if clip_grad_norm is not None and not clip_grad_norm > 0:
-            raise ValueError(_("clip_grad_norm must be a positive number or None, got {value!r}").format(
-                value=clip_grad_norm))
-        if clip_grad_norm is not None and parameters is None:
-            parameters = optimizer_params(optimizer)
-        scaler = self.scaler
-        if scaler is None:
-            if clip_grad_norm is not None:
-                self.last_grad_norm = nn.utils.clip_grad_norm_(parameters, clip_grad_norm)
-            optimizer.step()
-            return True
+    def step(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Unscale (if `unscale_` was not called already), step and update the scale; False if the step was
+        skipped. The answer costs one CPU-GPU sync, the same one `GradScaler.step` makes for ordinary
+        optimizers: it must know on the CPU whether to call `optimizer.step()`. We read the inf/nan flag
+        computed by `unscale_` first (sync), then `scaler.step` reads the same flag again with nothing new
+        queued, so it waits for nothing. (Comparing `get_scale()` before and after would cost two syncs, the
+        second one after the optimizer step.) Fused optimizers (`Adam(fused=True)`) normally skip on the GPU
+        with no sync; asking for this bool adds one."""
         self.unscale_(optimizer)
         self._unscaled.discard(id(optimizer))
-        if clip_grad_norm is not None:
-            self.last_grad_norm = nn.utils.clip_grad_norm_(parameters, clip_grad_norm)
+        scaler = self.scaler
         found = _found_inf(scaler, optimizer)
         if found is not None:
             skipped = bool(found.item())  # CPU-GPU sync point here (GradScaler.step makes it anyway)
@@ -239,28 +278,9 @@ class MixedPrecision:
         return not skipped
 
     def reset(self, optimizer: torch.optim.Optimizer) -> None:
-        """Forget a half-done step (after an error between backward and step, e.g. out of memory): the next
-        backward starts a new step. The scale itself is kept."""
+        """Forget a half-done step: the next backward starts a new step. The scale itself is kept."""
         self._unscaled.discard(id(optimizer))
-        if self.scaler is not None:
-            self.scaler._per_optimizer_states.pop(id(optimizer), None)
-
-    def state_dict(self) -> dict[str, Any]:
-        """Checkpointable state: the dtype and the scaler's scale/growth tracker (reading them syncs once)."""
-        return {"dtype": str(self.dtype).removeprefix("torch."),
-                "scaler": self.scaler.state_dict() if self.scaler is not None else {}}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore the scaler state saved by `state_dict()`.
-
-        A checkpoint without scaler state (a bf16 or fp32 run) leaves a fresh scaler; scaler state
-        loaded into a run without a scaler (an fp16 checkpoint resumed in bf16) is not needed and dropped.
-        """
-        if not isinstance(state, dict) or "scaler" not in state or not isinstance(state["scaler"], dict):
-            raise ValueError(_("not a MixedPrecision state: expected a dict from MixedPrecision.state_dict() "
-                               "with a 'scaler' entry"))
-        if self.scaler is not None and state["scaler"]:
-            self.scaler.load_state_dict(state["scaler"])
+        self.scaler._per_optimizer_states.pop(id(optimizer), None)
 
 
 def train_step(model: nn.Module, optimizer: torch.optim.Optimizer,

@@ -6,6 +6,9 @@ RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT. `Process.from_environ
 CPUs, with a timeout so that a rank that died turns into an error on the others instead of a hang.
 
 The pieces the `Trainer` uses (a plain script that builds a Trainer runs data-parallel under torchrun unchanged):
+- `join(device_type)`: this rank's `Process` under torchrun, else a `OneProcess`. Both have the same methods
+  (`device_for`, `wrap`, `shard`, `all_sum`, `mean`, `agree`, `gather`, `barrier`, `is_main`), so the Trainer's
+  loop never asks whether it runs distributed; the functions below are what a `Process`'s methods call.
 - `shard_loader(loader, process)`: the loader of this rank's share of every epoch (a `DistributedSampler` for a
   torch DataLoader, re-shuffled each epoch with `set_epoch`; a rank shard for `TensorLoader`). Its batch size is
   per rank, PyTorch's convention: the global batch is `world_size` times larger.
@@ -31,6 +34,8 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, RandomSampler, SequentialSampler
 
 from .i18n import _
@@ -53,6 +58,44 @@ class Process:
         """Rank 0: the one that prints and writes checkpoints."""
         return self.rank == 0
 
+    def device_for(self, device: torch.device) -> torch.device:
+        """This rank's device: one GPU per local rank on CUDA, the CPU otherwise."""
+        return device_for(self, device.type)
+
+    def wrap(self, model: nn.Module, device: torch.device, sync_batchnorm: bool = False):
+        """(the model on `device`, what a training step runs: its DistributedDataParallel wrapper).
+        `sync_batchnorm=True` converts BatchNorm layers to SyncBatchNorm first (GPUs only)."""
+        if sync_batchnorm:
+            if device.type != "cuda":
+                raise ValueError("sync_batchnorm=True needs CUDA GPUs: SyncBatchNorm runs only on GPU modules "
+                                 f"(DistributedDataParallel refuses it on {device.type}); leave it off here")
+            model = nn.SyncBatchNorm.convert_sync_batchnorm(model)  # the same parameters, in new modules
+        model = model.to(device)  # modules move in place; an optimizer's parameters stay the same objects
+        return model, DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+
+    def shard(self, loader):
+        """`shard_loader(loader, self)`: this rank's share of every epoch."""
+        return shard_loader(loader, self)
+
+    def all_sum(self, values: torch.Tensor) -> torch.Tensor:
+        return all_sum(values, self)
+
+    def mean(self, total: torch.Tensor, count: int) -> float:
+        """The mean over all ranks of what this rank summed in `total` over `count` samples (a sync point):
+        added in float64, so the figure does not depend on how the samples were split across ranks."""
+        sums = torch.stack([total.double(), torch.tensor(float(count), dtype=torch.float64, device=total.device)])
+        total, count = all_sum(sums, self).tolist()
+        return total / count
+
+    def agree(self, flag: bool) -> bool:
+        return agree(flag, self)
+
+    def gather(self, obj) -> list:
+        return gather_objects(obj, self)
+
+    def barrier(self) -> None:
+        barrier(self)
+
     @classmethod
     def from_environment(cls, env=None) -> "Process | None":
         """The rank, world size and local rank torchrun set, or None outside a distributed launch (or with
@@ -64,6 +107,49 @@ class Process:
         if world < 2:
             return None
         return cls(int(env["RANK"]), world, int(env.get("LOCAL_RANK", env["RANK"])))
+
+
+class OneProcess:
+    """A run in one process, with the methods of a distributed `Process`, each doing the one-process thing
+    (nothing to wrap, shard, sum or agree on), so that a training loop calls them without asking which it has."""
+
+    rank, world_size, local_rank, backend, is_main = 0, 1, 0, "", True
+
+    def device_for(self, device: torch.device) -> torch.device:
+        return device
+
+    def wrap(self, model: nn.Module, device: torch.device, sync_batchnorm: bool = False):
+        """(the model on `device`, the same model: one process trains the module itself). sync_batchnorm has
+        nothing to synchronise with in one process."""
+        model = model.to(device)
+        return model, model
+
+    def shard(self, loader):
+        return loader
+
+    def all_sum(self, values: torch.Tensor) -> torch.Tensor:
+        return values
+
+    def mean(self, total: torch.Tensor, count: int) -> float:
+        """`total / count`, read once (a sync point), in the dtype of `total`."""
+        return (total / count).item()
+
+    def agree(self, flag: bool) -> bool:
+        return flag
+
+    def gather(self, obj) -> list:
+        return [obj]
+
+    def barrier(self) -> None:
+        pass
+
+    def __repr__(self) -> str:
+        return "OneProcess()"
+
+
+def join(device_type: str | None = None) -> "Process | OneProcess":
+    """`setup(device_type)` under torchrun (this rank of the launch), else a `OneProcess`: the same methods."""
+    return setup(device_type) or OneProcess()
 
 
 def timeout_seconds() -> float:
@@ -78,7 +164,7 @@ def setup(device_type: str | None = None) -> "Process | None":
     Returns None when the script was not launched as several processes.
     """
     process = Process.from_environment()
-    if process is None:
+    if process is None or process.world_size == 1 or process.world_size == 1 or process.world_size == 1:
         return None
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", process.world_size))
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -235,10 +321,11 @@ class StopVote:
 
     MAX_EVERY = 4096  # steps: a bound on the interval whatever a step costs
 
-    def __init__(self, process: Process | None, every: int = 8, seconds: float | None = None):
+    def __init__(self, process: "Process | OneProcess | None", every: int = 8, seconds: float | None = None):
         if seconds is None:
             seconds = float(os.environ.get(ENV_VOTE_SECONDS, "0.25"))
         self.process = process
+        self.alone = process is None or process.world_size == 1  # one process: a wish is its own answer
         self.every = every
         self.least = every
         self.seconds = seconds if seconds and seconds > 0 else None
@@ -275,7 +362,7 @@ class StopVote:
         return wish
 
     def __call__(self, wish: int) -> int:
-        if self.process is None:
+        if self.alone:
             return wish
         self._wish = max(self._wish, wish)
         self._left -= 1
@@ -290,7 +377,7 @@ class StopVote:
 
     def settle(self, wish: int = 0) -> int:
         """The agreed wish, counting everything posted so far and `wish`: a blocking round trip."""
-        if self.process is None:
+        if self.alone:
             return wish
         agreed = self._read()
         self._post(max(self._wish, wish))
@@ -300,7 +387,7 @@ class StopVote:
 
 def gather_objects(obj, process: Process | None) -> list:
     """[obj of rank 0, obj of rank 1, ...] on every rank; [obj] outside a distributed run."""
-    if process is None:
+    if process is None or process.world_size == 1:
         return [obj]
     out = [None] * process.world_size
     dist.all_gather_object(out, obj, group=process.cpu_group)
@@ -308,5 +395,5 @@ def gather_objects(obj, process: Process | None) -> list:
 
 
 def barrier(process: Process | None) -> None:
-    if process is not None:
+    if process is not None and process.world_size > 1:
         dist.barrier(group=process.cpu_group)

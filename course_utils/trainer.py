@@ -211,22 +211,13 @@ class Trainer:
             raise TypeError(f"batch_fn must be a function of a batch, got {type(batch_fn).__name__}")
         _check_optimizer_holds(model, optimizer)
         device = device if isinstance(device, torch.device) else get_device(device)
-        # Under torchrun: join the process group; one GPU per local rank (or the CPU, with gloo).
-        self.process = distributed.setup(device.type)
-        self.device = distributed.device_for(self.process, device.type) if self.process is not None else device
-        if sync_batchnorm and self.process is not None and self.device.type != "cuda":
-            raise ValueError("sync_batchnorm=True needs CUDA GPUs: SyncBatchNorm runs only on GPU modules "
-                             f"(DistributedDataParallel refuses it on {self.device.type}); leave it off here")
-        if sync_batchnorm and self.process is not None:
-            model = nn.SyncBatchNorm.convert_sync_batchnorm(model)  # the same parameters, in new modules
-        self.model = model.to(self.device)  # modules move in place; the optimizer's parameters stay the same objects
-        self.train_model = self.model  # what the step runs: the model itself, or its DistributedDataParallel wrapper
-        if self.process is not None:
-            from torch.nn.parallel import DistributedDataParallel
-            self.train_model = DistributedDataParallel(
-                self.model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
-            train_loader = distributed.shard_loader(train_loader, self.process)
-            val_loader = distributed.shard_loader(val_loader, self.process) if val_loader is not None else None
+        # One process, or (under torchrun) this rank of the group: one GPU per local rank, or the CPU with gloo.
+        self.process = distributed.join(device.type)
+        self.device = self.process.device_for(device)
+        # the model on the device, and what the step runs: the model itself, or its DistributedDataParallel wrapper
+        self.model, self.train_model = self.process.wrap(model, self.device, sync_batchnorm)
+        train_loader = self.process.shard(train_loader)  # this rank's share of every epoch
+        val_loader = self.process.shard(val_loader) if val_loader is not None else None
         self.optimizer = optimizer
         self.loss_fn = loss_fn
         self.train_loader = train_loader
@@ -313,7 +304,7 @@ class Trainer:
     def _agreed_reason(self) -> str:
         """The reason of the StopTraining every rank agreed on (raised on this rank or another): a collective,
         run only when all ranks stop at the same point."""
-        reasons = distributed.gather_objects(self._requested, self.process)
+        reasons = self.process.gather(self._requested)
         return next((r for r in reasons if r is not None), _("a callback raised StopTraining"))
 
     def _stop_between_epochs(self, fns: list, *args) -> bool:
@@ -360,10 +351,9 @@ class Trainer:
                     continue
                 self._step(group, after_step, batch_end)
                 group = []
-                if self.process is not None or interrupt.requested or self._requested is not None:
-                    wish = self._vote(self._wish(interrupt))  # another rank's wish arrives a few steps later
-                    if wish != GO_ON:
-                        return self._stop_inside_epoch(wish)
+                wish = self._vote(self._wish(interrupt))  # another rank's wish arrives a few steps later
+                if wish != GO_ON:
+                    return self._stop_inside_epoch(wish)
             self._pass_over = True  # the loader's pass is over (a periodic save now must say so)
             if group:  # the last, smaller group of the epoch
                 self._step(group, after_step, batch_end)
@@ -372,13 +362,9 @@ class Trainer:
         wish = self._vote.settle(self._wish(interrupt))  # epoch end: every rank's last wishes
         if wish != GO_ON:
             return self._stop_inside_epoch(wish, finished=True)
-        if self.process is None:
-            if self._samples == 0:
-                raise ValueError("train_loader produced no batches")
-            mean = (self._loss_sum / self._samples).item()  # the one CPU-GPU sync point of the epoch
-        else:
-            loss_sum, samples = self._global_sums()
-            mean = loss_sum / samples
+        if self._samples == 0:
+            raise ValueError("train_loader produced no batches")
+        mean = self.process.mean(self._loss_sum, self._samples)  # the one CPU-GPU sync point of the epoch
         if not math.isfinite(mean) and self.precision.scaler is None:
             self._raise_non_finite(mean)
         return mean
@@ -390,7 +376,7 @@ class Trainer:
         self._vote.settle()  # nothing left in flight
         loss_sum = self._loss_sum.item()  # CPU-GPU sync point here (a stop is rare)
         bad = not math.isfinite(loss_sum) and self.precision.scaler is None
-        if distributed.agree(bad, self.process):  # every rank is here: decide together
+        if self.process.agree(bad):  # every rank is here: decide together
             self._raise_non_finite(loss_sum)
         if wish == STOP:
             self.stop_reason = self._agreed_reason()
@@ -400,13 +386,6 @@ class Trainer:
         self._loader.load_state_dict(self.position.loader)  # a next call continues here, also in this process
         return None
 
-    def _global_sums(self) -> tuple[float, int]:
-        """(sum of the loss over the epoch's samples, their number), over all ranks: a sync point."""
-        sums = torch.stack([self._loss_sum.double(), torch.tensor(float(self._samples), dtype=torch.float64,
-                                                                  device=self._loss_sum.device)])
-        loss_sum, samples = distributed.all_sum(sums, self.process).tolist()
-        return loss_sum, int(samples)
-
     def _raise_non_finite(self, mean: float) -> None:
         """The epoch's loss is not finite: name the first bad batch (over all ranks) and stop."""
         bad = None
@@ -415,10 +394,10 @@ class Trainer:
             if not finite.all():
                 index = int((~finite).nonzero()[0])
                 bad = (self._first_loss_batch + index + 1, float(self._losses[index]))
-        found = [(b, rank) for rank, b in enumerate(distributed.gather_objects(bad, self.process)) if b is not None]
+        found = [(b, rank) for rank, b in enumerate(self.process.gather(bad)) if b is not None]
         (batch, value), rank = min(found) if found else ((self.batch_in_epoch, mean), 0)
         where = _("epoch {epoch}, batch {batch}").format(epoch=self.epoch + 1, batch=batch)
-        if self.process is not None:
+        if self.process.world_size > 1:
             where += _(" on rank {rank}").format(rank=rank)
         raise NonFiniteLossError(_(
             "the loss became {value} at {where}: training stopped (the Trainer reads the loss at an epoch's end "
@@ -555,7 +534,7 @@ class Trainer:
             count += len(targets)
         self.model.train(was_training)
         sums = torch.stack([total_loss, correct, torch.tensor(float(count), dtype=torch.float64, device=self.device)])
-        total_loss, correct, count = distributed.all_sum(sums, self.process).tolist()  # CPU-GPU sync point here
+        total_loss, correct, count = self.process.all_sum(sums).tolist()  # CPU-GPU sync point here
         if count == 0:
             raise ValueError("the evaluation loader produced no batches")
         return {"loss": total_loss / count, "accuracy": correct / count}
@@ -563,7 +542,7 @@ class Trainer:
     @property
     def is_main(self) -> bool:
         """True in a single process, and on rank 0 of a distributed run (the rank that prints and saves)."""
-        return self.process is None or self.process.is_main
+        return self.process.is_main
 
     # --- checkpoints -----------------------------------------------------------------------------
 
@@ -600,8 +579,8 @@ class Trainer:
             "optimizer_steps": self.optimizer_steps,
             "history": list(self.history),
             "logs": [dict(x) for x in self.logs],
-            "world_size": self.process.world_size if self.process is not None else 1,
-            "ranks": distributed.gather_objects(self._rank_state(), self.process),  # rank 0's first
+            "world_size": self.process.world_size,
+            "ranks": self.process.gather(self._rank_state()),  # rank 0's first
         }
 
     def _check_fits(self, state: dict) -> dict:
@@ -625,9 +604,9 @@ class Trainer:
                 raise ValueError(_("the checkpoint holds the state of a {name} callback, which this trainer does not "
                                    "have; pass one (e.g. the same scheduler) to resume exactly").format(
                     name=entry["class"]))
-        world = self.process.world_size if self.process is not None else 1
+        world = self.process.world_size
         ranks = state["ranks"]
-        mine = ranks[self.process.rank if self.process is not None and self.process.rank < len(ranks) else 0]
+        mine = ranks[self.process.rank if self.process.rank < len(ranks) else 0]
         if mine["position"] is not None and state.get("world_size", 1) != world:
             raise ValueError(_("the checkpoint stopped inside an epoch of a run with {saved} process(es); resume it "
                                "with the same number (this run has {world}), or from a checkpoint written at the end "
@@ -724,7 +703,7 @@ class Trainer:
         state = self.state_dict()
         if self.is_main:
             ckpt.save(state, path)
-        distributed.barrier(self.process)
+        self.process.barrier()
         return path
 
     def load_checkpoint(self, path, map_location=None) -> "Trainer":

@@ -148,11 +148,20 @@ def test_torch_cuda_amp_is_deprecated(make):
             make()
 
 
-def test_protocol_names_match_what_resilient_step_calls():
-    params = inspect.signature(MixedPrecision.step).parameters
-    assert list(params) == ["self", "optimizer", "parameters", "clip_grad_norm"]
-    assert list(inspect.signature(MixedPrecision.backward).parameters) == ["self", "loss"]
-    assert list(inspect.signature(MixedPrecision.autocast).parameters) == ["self"]
+def test_one_class_per_precision_chosen_once_with_the_same_calls():
+    """MixedPrecision(...) builds the class that fits; each has the protocol TrainStep calls, with one
+    update path: step(optimizer) only steps (clipping is TrainStep's, after unscale_)."""
+    from course_utils.amp import Autocast, Float32, ScaledFloat16
+    cases = [(("cpu",), {"enabled": False}, Float32), (("cpu", "fp32"), {}, Float32), (("cpu",), {}, Autocast),
+             (("cpu", "bf16"), {}, Autocast), (("cpu", "fp16"), {}, ScaledFloat16)]
+    for args, kwargs, cls in cases:
+        p = MixedPrecision(*args, **kwargs)
+        assert type(p) is cls and isinstance(p, MixedPrecision), (args, kwargs, type(p))
+        assert (p.scaler is not None) == (cls is ScaledFloat16) and p.enabled == (cls is not Float32)
+        for name, params in [("step", ["self", "optimizer"]), ("unscale_", ["self", "optimizer"]),
+                             ("backward", ["self", "loss"]), ("autocast", ["self"])]:
+            assert list(inspect.signature(getattr(type(p), name)).parameters) == params, (cls, name)
+    assert type(copy.deepcopy(MixedPrecision("cpu", "fp16"))) is ScaledFloat16
 
 
 # --- real steps on the CPU ---------------------------------------------------------------
@@ -204,9 +213,11 @@ def test_clipping_happens_on_unscaled_gradients():
     with p.autocast():
         loss = F.cross_entropy(model(x), y)
     p.backward(loss)
-    applied = p.step(opt, parameters=model.parameters(), clip_grad_norm=1e-3)
+    p.unscale_(opt)  # the gradients in true units: clip them now
+    norm = nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
+    applied = p.step(opt)  # does not unscale a second time
     assert applied
-    assert p.last_grad_norm > 1e-3  # the true gradient norm, so clipping had work to do
+    assert norm > 1e-3  # the true gradient norm, so clipping had work to do
     moved = torch.sqrt(sum(((a - b) ** 2).sum() for a, b in zip(model.parameters(), before)))
     # lr=1: the update is the clipped gradient, norm 1e-3; clipping scaled grads would give 1e-3/65536
     torch.testing.assert_close(moved, torch.tensor(1e-3), rtol=1e-3, atol=0)
@@ -256,8 +267,8 @@ def test_step_misuse_gives_clear_errors():
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with pytest.raises(RuntimeError, match="backward"):
         MixedPrecision("cpu", "fp16").step(opt)
-    with pytest.raises(ValueError, match="clip_grad_norm"):
-        MixedPrecision("cpu", "bf16").step(opt, clip_grad_norm=0)
+    with pytest.raises(ValueError, match="grad_clip"):
+        TrainStep(model, opt, F.cross_entropy, MixedPrecision("cpu", "bf16"), grad_clip=0)
 
 
 def test_bf16_training_tracks_fp32():

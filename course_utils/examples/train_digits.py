@@ -55,7 +55,7 @@ def main(argv=None) -> Trainer:
                       accumulate=args.accumulate, checkpoint=args.checkpoint)
     if args.resume:
         trainer.load_checkpoint(args.checkpoint)
-    world = trainer.process.world_size if trainer.process is not None else 1
+    world = trainer.process.world_size
     if trainer.is_main:
         # Notebook 08 and the tests look for "2 process(es)", "global batch 64" and lines "epoch N: ... LOSS" (the loss
         # last): the Chinese catalog keeps those words.

@@ -39,9 +39,8 @@ class _BufferGuard:
         current = [b for m in self.modules if m.training for b in m._buffers.values() if b is not None]
         if len(current) != len(self.saved) or not all(map(operator.is_, current, self.saved)):
             self.saved, self.shadows = current, [torch.empty_like(b) for b in current]
-        if current:
-            with torch.no_grad():
-                torch._foreach_copy_(self.shadows, current)  # one call for all of them (what torch's optimizers use)
+        if current:  # (buffers need no grad: no autograd to turn off)
+            torch._foreach_copy_(self.shadows, current)  # one call for all of them (what torch's optimizers use)
 
     def restore(self) -> None:
         if self.saved:
