@@ -9,6 +9,9 @@
   bytes, so no `map_location` can move them to a GPU (where `torch.set_rng_state` would refuse them).
 - `generator_state(g)` / `set_generator_state(g, state)`: the same for one `torch.Generator`.
 - `EpochPosition`: where an interrupted epoch stopped, as a small dataclass (stored as a dict of plain values).
+- `PARTS`, `COUNTERS`, `check_trainer_state(...)`, `match_callbacks(...)`: what a Trainer checkpoint holds (the
+  state of its named parts, its counters, its callbacks' states, every rank's random and loader state), and the
+  check of all of it before a load changes anything.
 
 Importing this module touches no device.
 """
@@ -95,6 +98,57 @@ def check_optimizer_state(optimizer: torch.optim.Optimizer, saved: dict, saved_c
 
 
 # --- random number generators ------------------------------------------------------------------
+
+PARTS = ("model", "optimizer", "precision", "step")  # a Trainer's parts: each has state_dict() / load_state_dict()
+COUNTERS = ("epoch", "batches_trained", "optimizer_steps", "history", "logs")  # a Trainer's plain values
+
+
+def match_callbacks(callbacks, saved: list[dict]) -> list[tuple[Any, Any]]:
+    """(callback, its saved state) for each saved callback state, given to the callback of the same class in
+    `callbacks` (in order). A saved state that no callback takes raises ValueError, unless it is empty."""
+    waiting: dict[str, list] = {}
+    for cb in callbacks:
+        waiting.setdefault(type(cb).__name__, []).append(cb)
+    pairs = []
+    for entry in saved:
+        mine = waiting.get(entry["class"])
+        if mine:
+            pairs.append((mine.pop(0), entry["state"]))
+        elif entry["state"]:
+            raise ValueError(_("the checkpoint holds the state of a {name} callback, which this trainer does not "
+                               "have; pass one (e.g. the same scheduler) to resume exactly").format(name=entry["class"]))
+    return pairs
+
+
+def check_trainer_state(state: dict, model: torch.nn.Module, optimizer: torch.optim.Optimizer, callbacks,
+                        world_size: int, rank: int) -> dict:
+    """Everything a Trainer's `load_state_dict` will touch, checked before anything changes: the model's keys and
+    shapes, the optimizer's class and groups, the precision, the callbacks, the counters, the world size.
+    Returns the part of `rank` (its random generators, loader state and epoch position); raises ValueError
+    naming the first mismatch."""
+    missing = [k for k in (*PARTS, *COUNTERS, "callbacks", "ranks", "optimizer_class") if k not in state]
+    if missing:
+        raise ValueError(_("the checkpoint lacks {keys}").format(keys=", ".join(missing)))
+    check_model_state(model, state["model"])
+    check_optimizer_state(optimizer, state["optimizer"], state.get("optimizer_class"))
+    if not isinstance(state["precision"], dict) or "scaler" not in state["precision"]:
+        raise ValueError(_("the checkpoint's precision state is not a MixedPrecision state"))
+    match_callbacks(callbacks, state["callbacks"])
+    ranks = state["ranks"]
+    mine = ranks[rank if rank < len(ranks) else 0]
+    if mine["position"] is not None and state.get("world_size", 1) != world_size:
+        raise ValueError(_("the checkpoint stopped inside an epoch of a run with {saved} process(es); resume it "
+                           "with the same number (this run has {world}), or from a checkpoint written at the end "
+                           "of an epoch").format(saved=state.get("world_size", 1), world=world_size))
+    counters = [state[k] for k in ("epoch", "batches_trained", "optimizer_steps")]
+    if not all(type(c) is int and c >= 0 for c in counters) or not isinstance(state["history"], list) \
+            or not all(isinstance(x, float) for x in state["history"]) or len(state["history"]) != state["epoch"]:
+        raise ValueError(_("the checkpoint's counters or loss history are not those of a run (epoch "
+                           "{epoch!r}, batches {batches!r}, {n} losses)").format(
+            epoch=state["epoch"], batches=state["batches_trained"],
+            n=len(state["history"]) if isinstance(state["history"], list) else "?"))
+    return mine
+
 
 def _bytes(t: torch.Tensor) -> bytes:
     return bytes(t.detach().cpu().contiguous().view(torch.uint8).numpy())

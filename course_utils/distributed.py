@@ -292,13 +292,19 @@ def all_sum(values: torch.Tensor, process: Process | None) -> torch.Tensor:
     return values
 
 
-def agree(flag: bool, process: Process | None) -> bool:
-    """True on every rank if `flag` is True on any rank: a blocking CPU all-reduce, for rare points (a stop)."""
-    if process is None:
-        return flag
-    t = torch.tensor([1 if flag else 0])
+def largest(value: int, process: Process | None) -> int:
+    """The largest `value` over all ranks (the same on every rank): a blocking CPU all-reduce, for rare points
+    (a stop, an epoch's end)."""
+    if process is None or process.world_size == 1:
+        return value
+    t = torch.tensor([value], dtype=torch.int64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=process.cpu_group)
-    return bool(t.item())
+    return int(t.item())
+
+
+def agree(flag: bool, process: Process | None) -> bool:
+    """True on every rank if `flag` is True on any rank (a blocking round trip)."""
+    return bool(largest(int(flag), process))
 
 
 class StopVote:
@@ -380,9 +386,9 @@ class StopVote:
         if self.alone:
             return wish
         agreed = self._read()
-        self._post(max(self._wish, wish))
+        latest = largest(max(self._wish, wish), self.process)
         self._wish, self._left, self._posted_at = 0, self.every, None
-        return max(agreed, self._read())
+        return max(agreed, latest)
 
 
 def gather_objects(obj, process: Process | None) -> list:

@@ -29,7 +29,7 @@ from .callbacks import HOOKS, Callback, Checkpoint, LRScheduler, StopTraining, o
 from .checkpoint import CheckpointError, EpochPosition, NonFiniteLossError
 from .device import get_device
 from .loader_state import LoaderState
-from .memory import ResilientStep, check_fits, warn_if_too_big
+from .memory import MemoryCheck, ResilientStep
 from .step import TrainStep, batch_len, forward
 from .i18n import _
 
@@ -111,8 +111,9 @@ class _DeferInterrupt:
         return False
 
 
-def _reason(stop: StopTraining) -> str:
-    return str(stop) or _("a callback raised StopTraining")
+def _reason(stop: StopTraining | None) -> str:
+    """Why training stopped, in words: the StopTraining's message, or a default when it has none."""
+    return (str(stop) if stop is not None else "") or _("a callback raised StopTraining")
 
 
 def _pair(batch, batch_fn):
@@ -227,7 +228,7 @@ class Trainer:
         self.precision = _precision(mixed_precision, self.device)
         self.train_step = TrainStep(self.train_model, optimizer, loss_fn, self.precision, grad_clip)
         self.step = ResilientStep.around(self.train_step) if oom_recovery else self.train_step
-        self.callbacks: list[Callback] = list(callbacks)
+        self.callbacks: list[Callback] = [MemoryCheck(), *callbacks]  # does the first step fit? (warns if not)
         if scheduler is not None:
             self.callbacks.append(LRScheduler(scheduler))
         if checkpoint is not None:
@@ -249,8 +250,6 @@ class Trainer:
         self._first_loss_batch = 0   # the batch of the epoch that _losses[0] belongs to
         self.at_step_boundary = False  # True in on_batch_end of a step's last batch: a consistent point to save
         self._pass_over = False
-        self._memory_checked = False  # the memory check runs once, before this trainer's first step
-        self.memory_check = None      # its result: a course_utils.memory.FitCheck, or None where nothing is known
         if resume:
             self._resume()
 
@@ -305,7 +304,7 @@ class Trainer:
         """The reason of the StopTraining every rank agreed on (raised on this rank or another): a collective,
         run only when all ranks stop at the same point."""
         reasons = self.process.gather(self._requested)
-        return next((r for r in reasons if r is not None), _("a callback raised StopTraining"))
+        return next((r for r in reasons if r is not None), _reason(None))
 
     def _stop_between_epochs(self, fns: list, *args) -> bool:
         """Run the hooks of a point between epochs; True (stop_reason set) if any rank raised StopTraining."""
@@ -408,8 +407,6 @@ class Trainer:
             value=value, where=where))
 
     def _step(self, group, after_step, batch_end) -> None:
-        if not self._memory_checked:
-            self._check_memory(group[0])
         losses = self.step.group(group)
         self.optimizer_steps += 1
         if after_step:
@@ -428,18 +425,6 @@ class Trainer:
                     self._emit(batch_end, loss)
                 finally:
                     self.at_step_boundary = False
-
-    def _check_memory(self, batch) -> None:
-        """Before the first step: predict whether it fits (kept in `self.memory_check`) and warn, with the numbers,
-        if it will not. With oom_recovery=True running out is the plan, not a surprise: no warning then."""
-        self._memory_checked = True
-        low = self.precision.dtype if self.precision.enabled else None
-        self.memory_check = check_fits(self.model, self.optimizer, batch, self.loss_fn, self.device,
-                                       autocast_dtype=low)
-        if self.step is self.train_step:
-            warn_if_too_big(self.memory_check, "use a smaller batch_size (with accumulate=k for the same update), "
-                            "mixed_precision=True, activation checkpointing (course_utils.memory.checkpointed), "
-                            "or oom_recovery=True.")
 
     def __call__(self, epochs: int = 1) -> list[float]:
         if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 0:
@@ -561,120 +546,50 @@ class Trainer:
                 "position": position.to_dict() if position is not None else None}
 
     def state_dict(self) -> dict:
-        """Everything needed to continue this run exactly: weights, optimizer, precision (loss scale), the
-        step's micro-batch size, the callbacks' states, the counters, and for every rank its random
-        generators and loader position (a collective in a distributed run: every rank calls it)."""
+        """Everything needed to continue this run exactly: the state of each part (`checkpoint.PARTS`: weights,
+        optimizer, precision with its loss scale, the step's micro-batch size), the callbacks' states, the
+        counters (`checkpoint.COUNTERS`), and for every rank its random generators and loader position (a
+        collective in a distributed run: every rank calls it)."""
         if self.position is not None or self.at_step_boundary:
             self._loader.warn_if_inexact()
-        return {
-            "format": ckpt.FORMAT,
-            "model": self.model.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
-            "optimizer_class": type(self.optimizer).__name__,
-            "precision": self.precision.state_dict(),
-            "step": self.step.state_dict(),
-            "callbacks": [{"class": type(cb).__name__, "state": cb.state_dict()} for cb in self.callbacks],
-            "epoch": self.epoch,
-            "batches_trained": self.batches_trained,
-            "optimizer_steps": self.optimizer_steps,
-            "history": list(self.history),
-            "logs": [dict(x) for x in self.logs],
-            "world_size": self.process.world_size,
-            "ranks": self.process.gather(self._rank_state()),  # rank 0's first
-        }
-
-    def _check_fits(self, state: dict) -> dict:
-        """Everything `load_state_dict` will touch, checked before anything changes; returns this rank's part.
-        Raises ValueError naming the first mismatch."""
-        missing = [k for k in ("model", "optimizer", "precision", "step", "callbacks", "epoch", "batches_trained",
-                               "optimizer_steps", "history", "logs", "ranks", "optimizer_class") if k not in state]
-        if missing:
-            raise ValueError(_("the checkpoint lacks {keys}").format(keys=", ".join(missing)))
-        ckpt.check_model_state(self.model, state["model"])
-        ckpt.check_optimizer_state(self.optimizer, state["optimizer"], state.get("optimizer_class"))
-        if not isinstance(state["precision"], dict) or "scaler" not in state["precision"]:
-            raise ValueError(_("the checkpoint's precision state is not a MixedPrecision state"))
-        available: dict[str, int] = {}
-        for cb in self.callbacks:
-            available[type(cb).__name__] = available.get(type(cb).__name__, 0) + 1
-        for entry in state["callbacks"]:
-            if available.get(entry["class"], 0) > 0:
-                available[entry["class"]] -= 1
-            elif entry["state"]:
-                raise ValueError(_("the checkpoint holds the state of a {name} callback, which this trainer does not "
-                                   "have; pass one (e.g. the same scheduler) to resume exactly").format(
-                    name=entry["class"]))
-        world = self.process.world_size
-        ranks = state["ranks"]
-        mine = ranks[self.process.rank if self.process.rank < len(ranks) else 0]
-        if mine["position"] is not None and state.get("world_size", 1) != world:
-            raise ValueError(_("the checkpoint stopped inside an epoch of a run with {saved} process(es); resume it "
-                               "with the same number (this run has {world}), or from a checkpoint written at the end "
-                               "of an epoch").format(saved=state.get("world_size", 1), world=world))
-        self._loader.check(mine["loader"])
-        counters = [state[k] for k in ("epoch", "batches_trained", "optimizer_steps")]
-        if not all(type(c) is int and c >= 0 for c in counters) or not isinstance(state["history"], list) \
-                or not all(isinstance(x, float) for x in state["history"]) or len(state["history"]) != state["epoch"]:
-            raise ValueError(_("the checkpoint's counters or loss history are not those of a run (epoch "
-                               "{epoch!r}, batches {batches!r}, {n} losses)").format(
-                epoch=state["epoch"], batches=state["batches_trained"],
-                n=len(state["history"]) if isinstance(state["history"], list) else "?"))
-        return mine
-
-    def _snapshot(self) -> dict:
-        """The state `load_state_dict` changes, copied, to put back if loading fails half-way."""
-        return {"model": {k: v.clone() for k, v in self.model.state_dict().items()},
-                "optimizer": copy.deepcopy(self.optimizer.state_dict()),
-                "precision": copy.deepcopy(self.precision.state_dict()), "step": self.step.state_dict(),
-                "callbacks": [copy.deepcopy(cb.state_dict()) for cb in self.callbacks],
-                "counters": (self.epoch, self.batches_trained, self.optimizer_steps, list(self.history),
-                             [dict(x) for x in self.logs], self.position, self.batch_in_epoch),
-                "rng": ckpt.rng_state(), "loader": self._loader.snapshot()}
-
-    def _restore(self, snap: dict) -> None:
-        self.model.load_state_dict(snap["model"])
-        self.optimizer.load_state_dict(snap["optimizer"])
-        self.precision.load_state_dict(snap["precision"])
-        self.step.load_state_dict(snap["step"])
-        for cb, cb_state in zip(self.callbacks, snap["callbacks"]):
-            cb.load_state_dict(cb_state)
-        (self.epoch, self.batches_trained, self.optimizer_steps, self.history, self.logs, self.position,
-         self.batch_in_epoch) = snap["counters"]
-        ckpt.set_rng_state(snap["rng"])
-        self._loader.restore(snap["loader"])
+        return {"format": ckpt.FORMAT, "optimizer_class": type(self.optimizer).__name__,
+                **{name: getattr(self, name).state_dict() for name in ckpt.PARTS},
+                "callbacks": [{"class": type(cb).__name__, "state": cb.state_dict()} for cb in self.callbacks],
+                **{name: copy.deepcopy(getattr(self, name)) for name in ckpt.COUNTERS},
+                "world_size": self.process.world_size,
+                "ranks": self.process.gather(self._rank_state())}  # rank 0's first
 
     def load_state_dict(self, state: dict) -> None:
         """Restore `state_dict()`: all of it or, if anything does not fit, none of it (ValueError naming why)."""
-        mine = self._check_fits(state)
-        snapshot = self._snapshot()
+        mine = ckpt.check_trainer_state(state, self.model, self.optimizer, self.callbacks, self.process.world_size,
+                                        self.process.rank)
+        self._loader.check(mine["loader"])
+        before = {name: copy.deepcopy(getattr(self, name).state_dict()) for name in ckpt.PARTS}  # to put back
+        before.update({name: copy.deepcopy(getattr(self, name)) for name in ckpt.COUNTERS},
+                      callbacks=[{"class": type(cb).__name__, "state": copy.deepcopy(cb.state_dict())}
+                                 for cb in self.callbacks])
+        where = (ckpt.rng_state(), self._loader.snapshot(), self.position, self.batch_in_epoch)
         try:
-            self.model.load_state_dict(state["model"])
-            self.optimizer.load_state_dict(state["optimizer"])
-            self.precision.load_state_dict(state["precision"])
-            self.step.load_state_dict(state["step"])
-            self._load_callbacks(state["callbacks"])
-            self.epoch = state["epoch"]
-            self.batches_trained = state["batches_trained"]
-            self.optimizer_steps = state["optimizer_steps"]
-            self.history = list(state["history"])
-            self.logs = [dict(x) for x in state["logs"]]
+            self._apply(state)
             ckpt.set_rng_state(mine["rng"])
             self._loader.load_state_dict(mine["loader"])
             self.position = EpochPosition.from_dict(mine["position"]) if mine["position"] is not None else None
             self.batch_in_epoch = self.position.batches_done if self.position is not None else 0
-        except BaseException:
-            self._restore(snapshot)
+        except BaseException:  # half-way: put everything back as it was
+            self._apply(before)
+            ckpt.set_rng_state(where[0])
+            self._loader.restore(where[1])
+            self.position, self.batch_in_epoch = where[2:]
             raise
 
-    def _load_callbacks(self, saved: list[dict]) -> None:
-        """Give each saved callback state to this trainer's callback of the same class (in order)."""
-        waiting: dict[str, list[Callback]] = {}
-        for cb in self.callbacks:
-            waiting.setdefault(type(cb).__name__, []).append(cb)
-        for entry in saved:
-            mine = waiting.get(entry["class"])
-            if mine:
-                mine.pop(0).load_state_dict(entry["state"])
+    def _apply(self, state: dict) -> None:
+        """Load the parts, callbacks and counters of `state` (already checked)."""
+        for name in ckpt.PARTS:
+            getattr(self, name).load_state_dict(state[name])
+        for cb, saved in ckpt.match_callbacks(self.callbacks, state["callbacks"]):
+            cb.load_state_dict(saved)
+        for name in ckpt.COUNTERS:
+            setattr(self, name, copy.deepcopy(state[name]))
 
     def _check_finite(self, path: Path) -> None:
         """Refuse to save non-finite weights or a non-finite running loss (a sync: once per save)."""

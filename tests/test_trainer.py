@@ -524,8 +524,10 @@ def test_memory_check_before_the_first_step_warns_with_the_numbers():
                     trainer(1)
                 except torch.OutOfMemoryError:
                     pass
-        assert trainer.memory_check is not None
-        return [w for w in caught if issubclass(w.category, MemoryWarning)], gpu
+        assert trainer.callbacks[0].result is not None  # the MemoryCheck callback, first
+        warned = [w for w in caught if issubclass(w.category, MemoryWarning)]
+        assert all(w.filename == __file__ for w in warned), [w.filename for w in warned]  # at the learner's call
+        return warned, gpu
 
     quiet, gpu = run("1GiB")
     assert quiet == []

@@ -10,8 +10,8 @@
 - `estimate_training_memory(...)`: parameters, gradients, optimizer state and activations of one
   training step, computed on fake tensors (no real activation memory is allocated).
 - `find_max_batch_size(...)`: doubling then binary search with real training steps.
-- `check_fits(...)`: whether a step will fit in the memory free for it (the Trainer's check before its first
-  step, which warns with a `MemoryWarning`).
+- `check_fits(...)`: whether a step will fit in the memory free for it; `MemoryCheck`, the Trainer's callback
+  that runs it before the first step and warns with a `MemoryWarning`.
 - `ResilientStep`: a training step that, on OOM, splits the batch into micro-batches with gradient
   accumulation and retries the same step (same update, no data skipped).
 - `checkpointed(module)`, `checkpoint_sequential_blocks(...)`: activation checkpointing, always with
@@ -24,13 +24,13 @@ from .checkpointing import Checkpointed, checkpoint_sequential_blocks, checkpoin
 from .estimate import MemoryEstimate, estimate_training_memory
 from .limit import limit_gpu_memory
 from .oom import OOM_MESSAGES, FreeMemoryReport, free_memory, is_oom_error
-from .precheck import FitCheck, MemoryWarning, check_fits, free_for_training, warn_if_too_big
+from .precheck import FitCheck, MemoryCheck, MemoryWarning, check_fits, free_for_training, warn_if_too_big
 from .resilient import ResilientStep, ResilientStepOutOfMemoryError
 from .simulated import MemoryBreakdown, PeakReading, SimulatedGPU, SimulatedOutOfMemoryError, active_simulated_gpu
 from .sizes import CUDA_BLOCK_BYTES, BytesLike, format_bytes, parse_bytes
 
 __all__ = [
-    "CUDA_BLOCK_BYTES", "OOM_MESSAGES", "BatchSizeSearch", "FitCheck", "MemoryWarning", "check_fits",
+    "CUDA_BLOCK_BYTES", "OOM_MESSAGES", "BatchSizeSearch", "FitCheck", "MemoryCheck", "MemoryWarning", "check_fits",
     "free_for_training", "warn_if_too_big", "BytesLike", "Checkpointed", "FreeMemoryReport",
     "MemoryBreakdown", "MemoryEstimate", "PeakReading", "ResilientStep", "ResilientStepOutOfMemoryError", "SimulatedGPU",
     "SimulatedOutOfMemoryError", "Trial", "active_simulated_gpu", "checkpoint_sequential_blocks", "checkpointed",

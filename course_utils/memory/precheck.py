@@ -3,20 +3,25 @@
 `check_fits(model, optimizer, batch, loss_fn)` predicts the step's peak with `estimate_training_memory` (fake
 tensors: nothing is allocated) and compares what the step still needs with the memory free for it: a
 `SimulatedGPU`'s budget left, or on CUDA the device's free memory plus what PyTorch's cache holds unused. The
-`Trainer` runs it before its first step and warns (`MemoryWarning`) when the step will not fit.
+`Trainer` runs it before its first step through the `MemoryCheck` callback, which warns (`MemoryWarning`, shown
+at the learner's own call, not inside the package) when the step will not fit.
 """
 from __future__ import annotations
 
 import contextlib
+import os
+import sys
 import warnings
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from ..callbacks import Callback
 from ..i18n import N_, _
 from ..step import batch_len
 from .estimate import MemoryEstimate, estimate_training_memory
+from .resilient import ResilientStep
 from .simulated import active_simulated_gpu
 from .sizes import format_bytes
 
@@ -79,8 +84,44 @@ def check_fits(model: nn.Module, optimizer: torch.optim.Optimizer, batch, loss_f
     return FitCheck(needed, free[0], free[1], estimate, batch_len(inputs))
 
 
+def _learner_stacklevel() -> int:
+    """The `stacklevel` of the first caller outside this package: a warning then points at the learner's line
+    (`trainer(3)` in a notebook cell), not at a line of course code."""
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    frame, level = sys._getframe(2), 1  # the caller of warn_if_too_big is stacklevel 1
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(package + os.sep):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
 def warn_if_too_big(check: FitCheck | None, remedy: str) -> None:
-    """A `MemoryWarning` with the numbers when `check` says the step will not fit."""
+    """A `MemoryWarning` with the numbers when `check` says the step will not fit, shown at the learner's call."""
     if check is not None and not check.fits:
         warnings.warn(_("Memory check before the first step: {check}. It will likely run out of memory: "
-                        "{remedy}").format(check=check, remedy=remedy), MemoryWarning, stacklevel=3)
+                        "{remedy}").format(check=check, remedy=remedy), MemoryWarning,
+                      stacklevel=_learner_stacklevel() + 1)
+
+
+class MemoryCheck(Callback):
+    """The Trainer's check before its first step: does the step fit in the memory free for it? `result` keeps the
+    answer (a `FitCheck`, or None where nothing is known: a CPU without a SimulatedGPU, a model the estimator
+    cannot run). A `MemoryWarning` with the numbers when it will not fit, except with oom_recovery=True, where
+    running out is the plan, not a surprise. Every Trainer has one."""
+
+    order = -100  # before the other callbacks see the first batch
+
+    def __init__(self):
+        self.result: FitCheck | None = None
+        self.checked = False
+
+    def on_batch_start(self, trainer, batch) -> None:
+        if self.checked:
+            return
+        self.checked = True
+        precision = trainer.precision
+        self.result = check_fits(trainer.model, trainer.optimizer, batch, trainer.loss_fn, trainer.device,
+                                 autocast_dtype=precision.dtype if precision.enabled else None)
+        if not isinstance(trainer.step, ResilientStep):
+            warn_if_too_big(self.result, _("use a smaller batch_size (with accumulate=k for the same update), "
+                                           "mixed_precision=True, activation checkpointing "
+                                           "(course_utils.memory.checkpointed), or oom_recovery=True."))
