@@ -15,6 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from course_utils.exercises import CORRECT, INCORRECT, NOT_ATTEMPTED, evaluate, load_all
+from course_utils.exercises.core import describe
 from course_utils.exercises.solve import exercise_cells, solve_notebook
 from course_utils.i18n import N_, _, speaking
 
@@ -136,12 +137,34 @@ answers = st.one_of(
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(ex_id=st.sampled_from(IDS), answer=answers)
 def test_fuzz_checkers_never_crash(ex_id, answer):
+    """Any odd answer gets feedback from the checker itself: an exception that escapes the checker from its own
+    code (not from the learner's answer) is a checker bug, even though `evaluate` still turns it into a line."""
     result = evaluate(ex_id, answer, timeout=3)
     assert result.status in (CORRECT, INCORRECT, NOT_ATTEMPTED)
     assert isinstance(result.message, str) and result.message
+    assert not result.crashed, (ex_id, describe(answer), result.message)
 
 
 @pytest.mark.parametrize("ex_id", IDS)
 def test_a_hanging_answer_is_stopped(ex_id):
     result = evaluate(ex_id, _slow, timeout=0.5)
     assert result.status == INCORRECT
+
+
+def test_a_checker_crash_is_told_apart_from_an_answer_that_raises():
+    """What makes the fuzz above able to fail: an exception from the checker's own code is `crashed`; one raised
+    inside the learner's answer is feedback."""
+    from course_utils.exercises.core import REGISTRY, Exercise
+
+    import course_utils.exercises.core as core
+    scope = {}  # a checker compiled as course code (its file is in the package), like every real one
+    exec(compile("def checker(answer):\n    return answer().shape  # assumes the answer returns a tensor\n",
+                 core.__file__, "exec"), scope)
+    checker = scope["checker"]
+    REGISTRY["99.1"] = Exercise("99.1", "probe", "...", "...", "f", checker)
+    try:
+        assert evaluate("99.1", lambda: 3).crashed  # int has no .shape: the checker's own line failed
+        assert not evaluate("99.1", _raiser(ValueError("boom"))).crashed  # the answer raised
+        assert evaluate("99.1", _raiser(ValueError("boom"))).status == INCORRECT
+    finally:
+        del REGISTRY["99.1"]

@@ -13,7 +13,9 @@ function that raises NotImplementedError) is reported as "not attempted yet".
 from __future__ import annotations
 
 import copy
+import os
 import signal
+import sysconfig
 import threading
 import traceback
 from dataclasses import dataclass, field
@@ -61,6 +63,7 @@ class Exercise:
 class Result:
     status: str
     message: str
+    crashed: bool = False  # the checker itself failed (an exception raised in course code, not in the answer)
 
     @property
     def passed(self) -> bool:
@@ -193,6 +196,26 @@ def get(exercise_id: str) -> Exercise:
         raise KeyError(_("no exercise {id!r}; known exercises: {known}").format(id=exercise_id, known=known)) from None
 
 
+_COURSE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+_LIBRARY_DIRS = tuple({sysconfig.get_paths()[k] + os.sep for k in ("stdlib", "purelib", "platlib")})
+
+
+def _raised_in_course_code(frames: traceback.StackSummary) -> bool:
+    """Whether an exception came from course code (a checker's own line) rather than from the learner's answer:
+    the innermost frame that is not Python's library or an installed package (torch raising on what a checker
+    passed it counts as that checker's line) decides."""
+    for frame in reversed(frames):
+        name = frame.filename
+        if name.startswith("<frozen"):
+            continue
+        path = os.path.abspath(name) if not name.startswith("<") else name
+        if path.startswith(_COURSE_DIR):
+            return True
+        if not path.startswith(_LIBRARY_DIRS):
+            return False  # a notebook cell, a script: the learner's code
+    return True
+
+
 def evaluate(exercise_id: str, answer, timeout: float | None = None) -> Result:
     """Check `answer` and return a Result; never raises for anything the answer does."""
     try:
@@ -216,11 +239,13 @@ def evaluate(exercise_id: str, answer, timeout: float | None = None) -> Result:
                                    "a loop that never ends or work repeated far too often").format(seconds=seconds))
     except RecursionError:
         return Result(INCORRECT, _("your answer recursed without end (RecursionError): does a method call itself?"))
-    except Exception as exc:  # the answer broke an assumption of the checker (wrong type, odd object...)
-        where = traceback.extract_tb(exc.__traceback__)[-1]
+    except Exception as exc:  # raised by the answer, or the answer broke an assumption of the checker
+        frames = traceback.extract_tb(exc.__traceback__)
         return Result(INCORRECT, _("checking your answer failed with {error}: {message} (your answer is {answer}; "
                                    "line {line} of the checker)").format(error=type(exc).__name__, message=exc,
-                                                                         answer=describe(answer), line=where.lineno))
+                                                                         answer=describe(answer),
+                                                                         line=frames[-1].lineno),
+                      crashed=_raised_in_course_code(frames))
     return Result(CORRECT, remark or _("well done"))
 
 
