@@ -18,7 +18,12 @@ def tiny_data(n=64, seed=0):
 def test_models_shapes_and_sizes():
     assert SimpleCNN()(torch.zeros(2, 1, 28, 28)).shape == (2, 10)
     assert CifarCNN()(torch.zeros(2, 3, 32, 32)).shape == (2, 10)
-    assert count_parameters(SimpleCNN()) == sum(p.numel() for p in SimpleCNN().parameters())
+    # the count's two promises: a shared layer counts once, frozen parameters only when asked
+    layer = nn.Linear(4, 3)  # 4 x 3 weights + 3 biases
+    tied = nn.Sequential(layer, nn.ReLU(), nn.Linear(3, 4), nn.ReLU(), layer)
+    assert count_parameters(tied) == 15 + (3 * 4 + 4)
+    layer.bias.requires_grad_(False)
+    assert count_parameters(tied, trainable_only=True) == 12 + 16 and count_parameters(tied) == 31
     assert len(list(SimpleCNN().children())) == 2  # features + classifier
 
 
