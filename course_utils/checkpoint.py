@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from .memory.oom import first_line
+from .errors import first_line
 from .i18n import _
 
 FORMAT = "course_utils.Trainer/3"  # /3: every rank's random and loader state

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import Dataset
 
+from .errors import message_line
 from .i18n import _
 
 DIGIT_CLASSES = [str(d) for d in range(10)]
@@ -213,11 +214,6 @@ def _load_torchvision(name: str, root, train: bool, download: bool):
         socket.setdefaulttimeout(old)
 
 
-def _first_line(exc: Exception) -> str:
-    lines = str(exc).splitlines()
-    return lines[0][:120] if lines else ""
-
-
 def load_mnist(root="data", train: bool = True, download: bool = True, fallback_size: int | None = None) -> ImageDataset:
     """Real MNIST through torchvision if present or downloadable, else synthetic digits (with one sentence why)."""
     try:
@@ -225,7 +221,7 @@ def load_mnist(root="data", train: bool = True, download: bool = True, fallback_
     except Exception as exc:  # no files and no network, a corrupt file, ...
         n = fallback_size or (60_000 if train else 10_000)
         print(_("MNIST is not available under {root} ({error}: {message}); using {n} synthetic digits instead."
-                ).format(root=root, error=type(exc).__name__, message=_first_line(exc), n=n))
+                ).format(root=root, error=type(exc).__name__, message=message_line(exc)[:120], n=n))
         return synthetic_digits(n, seed=0 if train else 1)
     images = ds.data.unsqueeze(1).float().div_(255)
     return ImageDataset(images, ds.targets.long(), DIGIT_CLASSES, "torchvision.MNIST")
@@ -238,7 +234,7 @@ def load_cifar10(root="data", train: bool = True, download: bool = True, fallbac
     except Exception as exc:
         n = fallback_size or (50_000 if train else 10_000)
         print(_("CIFAR-10 is not available under {root} ({error}: {message}); using {n} synthetic CIFAR-shaped "
-                "images instead.").format(root=root, error=type(exc).__name__, message=_first_line(exc), n=n))
+                "images instead.").format(root=root, error=type(exc).__name__, message=message_line(exc)[:120], n=n))
         return synthetic_cifar(n, seed=0 if train else 1)
     images = torch.from_numpy(ds.data).permute(0, 3, 1, 2).float().div_(255).contiguous()
     return ImageDataset(images, torch.tensor(ds.targets, dtype=torch.long), list(ds.classes), "torchvision.CIFAR10")

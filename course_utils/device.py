@@ -1,7 +1,7 @@
 """Device selection: `get_device()` picks the best available accelerator (or the one asked for).
 
 The environment diagnosis (`describe_environment`, `diagnose`, `query_nvml`, `query_torch`, ...) lives
-in `course_utils.environment`; its names can still be imported from here.
+in `course_utils.environment`.
 """
 from __future__ import annotations
 
@@ -46,19 +46,3 @@ def get_device(prefer: str | torch.device | None = None) -> torch.device:
     if device.type == "mps" and not mps_available():
         raise ValueError(_("asked for {device} but Apple MPS is not available on this machine").format(device=device))
     return device
-
-
-# The environment diagnosis moved to course_utils.environment (which imports this module, so it is
-# imported here only when one of its names is asked for).
-_MOVED_TO_ENVIRONMENT = frozenset({
-    "EnvironmentReport", "NvmlInfo", "Step", "TorchInfo", "describe_environment", "diagnose", "query_nvml",
-    "query_torch",
-})
-
-
-def __getattr__(name: str):
-    if name in _MOVED_TO_ENVIRONMENT:
-        from . import environment
-
-        return getattr(environment, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

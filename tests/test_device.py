@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from course_utils import describe_environment, get_device
-from course_utils.device import NvmlInfo, TorchInfo, diagnose, query_nvml, query_torch
+from course_utils.environment import NvmlInfo, TorchInfo, diagnose, query_nvml, query_torch
 
 
 def torch_info(cuda_build="12.4", available=False, hip=None):
@@ -142,7 +142,7 @@ def test_device_choice_and_diagnosis_do_not_import_the_monitor():
 
     code = ("import sys, course_utils.device, course_utils.environment, course_utils.nvml; "
             "assert not [m for m in sys.modules if m.startswith('course_utils.monitor')]; "
-            "from course_utils.device import describe_environment, diagnose, query_nvml; "
+            "from course_utils.environment import describe_environment, diagnose, query_nvml; "
             "from course_utils.environment import describe_environment as d; assert d is describe_environment")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                             cwd=Path(__file__).resolve().parents[1])

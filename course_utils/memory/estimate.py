@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from ..i18n import N_, _
-from .oom import first_line
+from ..errors import first_line
 from .simulated import AllocationTracker, StorageLedger, optimizer_params
 from .sizes import CUDA_BLOCK_BYTES, format_bytes, pad
 

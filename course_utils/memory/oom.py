@@ -89,8 +89,3 @@ def free_memory() -> FreeMemoryReport:
         xpu.empty_cache()
         emptied.append("xpu")
     return FreeMemoryReport(collected, tuple(emptied))
-
-
-def first_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0] if text else ''}"

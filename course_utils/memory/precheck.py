@@ -9,8 +9,6 @@ at the learner's own call, not inside the package) when the step will not fit.
 from __future__ import annotations
 
 import contextlib
-import os
-import sys
 import warnings
 from dataclasses import dataclass
 
@@ -18,6 +16,7 @@ import torch
 from torch import nn
 
 from ..callbacks import Callback
+from ..errors import learner_stacklevel
 from ..i18n import N_, _
 from ..step import batch_len
 from .estimate import MemoryEstimate, estimate_training_memory
@@ -84,22 +83,12 @@ def check_fits(model: nn.Module, optimizer: torch.optim.Optimizer, batch, loss_f
     return FitCheck(needed, free[0], free[1], estimate, batch_len(inputs))
 
 
-def _learner_stacklevel() -> int:
-    """The `stacklevel` of the first caller outside this package: a warning then points at the learner's line
-    (`trainer(3)` in a notebook cell), not at a line of course code."""
-    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    frame, level = sys._getframe(2), 1  # the caller of warn_if_too_big is stacklevel 1
-    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(package + os.sep):
-        frame, level = frame.f_back, level + 1
-    return level
-
-
 def warn_if_too_big(check: FitCheck | None, remedy: str) -> None:
     """A `MemoryWarning` with the numbers when `check` says the step will not fit, shown at the learner's call."""
     if check is not None and not check.fits:
         warnings.warn(_("Memory check before the first step: {check}. It will likely run out of memory: "
                         "{remedy}").format(check=check, remedy=remedy), MemoryWarning,
-                      stacklevel=_learner_stacklevel() + 1)
+                      stacklevel=learner_stacklevel())
 
 
 class MemoryCheck(Callback):

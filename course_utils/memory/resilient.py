@@ -11,7 +11,8 @@ from torch import nn
 from ..amp import MixedPrecision
 from ..i18n import _
 from ..step import Batch, TrainStep, batch_len, optimizer_params
-from .oom import first_line, free_memory, is_oom_error
+from ..errors import first_line
+from .oom import free_memory, is_oom_error
 from .sizes import format_bytes
 
 

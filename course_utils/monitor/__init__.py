@@ -15,7 +15,8 @@ from .host import CgroupLimits, HostSource, read_cgroup_limits
 from .nvml import NvmlSource
 from .panel import DeviceMonitor
 from .progress import TrainingProgress
-from .snapshot import GpuStats, HostStats, Sampler, Snapshot, TorchStats
+from .sampler import Sampler
+from .stats import GpuStats, HostStats, Snapshot, TorchStats
 from .torch_source import TorchSource
 
 __all__ = [

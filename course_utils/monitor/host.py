@@ -13,6 +13,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .stats import HostStats
+
 _UNLIMITED_V1 = 2 ** 62  # v1 reports "no limit" as a huge number (PAGE_COUNTER_MAX pages)
 
 
@@ -245,7 +247,6 @@ class HostSource:
         return self._last_percent, float(len(self._cpus)), False
 
     def sample(self):
-        from .snapshot import HostStats
 
         cpu_percent, cpu_count, cpu_limited = self._cpu()
         vm = self._psutil.virtual_memory()

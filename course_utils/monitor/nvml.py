@@ -17,6 +17,8 @@ import os
 from typing import Any, Callable
 
 from ..i18n import _
+from .stats import GpuStats
+from .torch_source import cuda_index, torch_device_uuid
 from ..nvml import NvmlDevice, device_name, list_devices, load, normalize_uuid
 from ..nvml import init_once as nvml_init
 
@@ -37,8 +39,6 @@ class NvmlSource:
 
     def __init__(self, device=None, nvml=None, torch_uuid: Callable[[], str | None] | None = None,
                  environ: dict | None = None):
-        from .torch_source import cuda_index, torch_device_uuid
-
         self.nvml = load() if nvml is None else nvml
         self.index = cuda_index(device)
         self.reason: str | None = None
@@ -118,7 +118,6 @@ class NvmlSource:
         return None
 
     def sample(self):
-        from .snapshot import GpuStats
 
         nv = self.nvml
         error = nvml_init(nv)

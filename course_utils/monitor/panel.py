@@ -26,7 +26,8 @@ from ..i18n import N_, _
 from . import loop
 from .chart import LineChart, plot_text
 from ._widgets import Meter, display_widget, escape, fmt_bytes, level_style, set_changed, set_visible
-from .snapshot import Sampler, Snapshot
+from .sampler import Sampler
+from .stats import Snapshot
 
 _SERIES = [(N_("GPU util"), "tab:green"), (N_("GPU memory"), "tab:purple"), (N_("PyTorch reserved"), "tab:orange"),
            (N_("CPU"), "tab:blue"), (N_("RAM"), "tab:gray")]  # drawn as plot_text(label)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from ..i18n import _
+from .stats import TorchStats
 
 
 def cuda_index(device) -> int | None:
@@ -63,7 +64,6 @@ class TorchSource:
         self._cuda_present = torch.cuda.device_count() > 0
 
     def sample(self):
-        from .snapshot import TorchStats
 
         if not torch.cuda.is_initialized():  # never initialise CUDA ourselves
             self.reason = _("this kernel has not used CUDA yet") if self._cuda_present else None
