@@ -10,9 +10,14 @@ Splitting a group into batches (gradient accumulation) or a batch into chunks (o
 change the update: the weighted chunk losses add up to the mean loss of all the group's samples, so their
 gradients add up to its gradient (up to float rounding).
 
+The batch conventions every step shares live here too: `move_batch` (a batch, nested containers kept, to a
+device), `as_pair` (a loader's batch as (inputs, targets), through a `batch_fn` for dict batches), `batch_len`,
+`split`, `forward` (tuple inputs as positional arguments, dict inputs as keywords), and `check_optimizer_holds`
+(an optimizer must update the model's own parameters).
+
 `precision` is any object with `autocast()`, `backward(loss)`, `unscale_(optimizer)` and `step(optimizer)`;
-`course_utils.amp.MixedPrecision` is one, and with `enabled=False` it is float32: the same calls, doing nothing
-extra. There is no "no precision" case. The `Trainer`, `ResilientStep`, `find_max_batch_size`, the AMP helpers
+`course_utils.amp.MixedPrecision(...)` builds one (`Float32` with enabled=False: the same calls, doing nothing
+extra). There is no "no precision" case. The `Trainer`, `ResilientStep`, `find_max_batch_size`, the AMP helpers
 and the speed ladder all run their steps through `TrainStep`.
 
 Importing this module touches no device.
@@ -20,6 +25,7 @@ Importing this module touches no device.
 from __future__ import annotations
 
 import contextlib
+import copy
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -68,6 +74,65 @@ def forward(model: nn.Module, inputs):
 def optimizer_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     """The parameters `optimizer` updates, group by group: the ones to clip."""
     return [p for group in optimizer.param_groups for p in group["params"]]
+
+
+def move_batch(batch, device: torch.device, non_blocking: bool = True):
+    """Move a batch (a tensor, or a tuple, list, namedtuple or mapping of them, nested) to `device`, keeping
+    each container's type. Tensors already there are not copied."""
+    if type(batch) is tuple and len(batch) == 2:  # the usual (inputs, targets): skip the work if already there
+        x, y = batch
+        if isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) and x.device == device and y.device == device:
+            return batch
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=non_blocking)
+    if isinstance(batch, Mapping):
+        moved = {k: move_batch(v, device, non_blocking) for k, v in batch.items()}
+        try:
+            return type(batch)(moved)  # dict, OrderedDict, a Hugging Face BatchEncoding...
+        except TypeError:  # a mapping type that cannot be built from a dict (defaultdict needs its factory)
+            copy_ = copy.copy(batch)
+            copy_.update(moved)
+            return copy_
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # a namedtuple: built from positional fields
+        return type(batch)(*(move_batch(b, device, non_blocking) for b in batch))
+    if isinstance(batch, (list, tuple)):
+        moved = [move_batch(b, device, non_blocking) for b in batch]
+        for build in (lambda: type(batch)(moved), lambda: type(batch)(*moved)):  # from an iterable, or fields
+            try:
+                return build()
+            except TypeError:
+                pass
+        return moved if isinstance(batch, list) else tuple(moved)
+    return batch
+
+
+def as_pair(batch, batch_fn=None):
+    """(inputs, targets) of one loader batch: `batch_fn(batch)` when given, else the batch itself."""
+    if batch_fn is not None:
+        batch = batch_fn(batch)
+    if isinstance(batch, (tuple, list)) and len(batch) == 2:
+        return batch
+    if isinstance(batch, Mapping):
+        raise TypeError(_("the loader yields dicts (keys {keys}), and the Trainer needs (inputs, targets): say which "
+                          "entries they are with batch_fn, e.g. Trainer(..., batch_fn=lambda b: (b[\"input_ids\"], "
+                          "b[\"labels\"])); inputs may be a dict too, passed to the model as keyword arguments").format(
+            keys=sorted(map(str, batch))))
+    raise TypeError(_("a batch must be (inputs, targets), got a {type}{size}; pass batch_fn=... to turn the "
+                      "loader's batches into (inputs, targets)").format(
+        type=type(batch).__name__, size=_(" of {n} items").format(n=len(batch)) if isinstance(batch, (tuple, list))
+        else ""))
+
+
+def check_optimizer_holds(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """The optimizer must update the model's own parameters (all of them, or a subset for fine-tuning)."""
+    own = {id(p) for p in model.parameters()}
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    foreign = [p for p in params if id(p) not in own]
+    if foreign:
+        raise ValueError(_("the optimizer holds {foreign} of its {total} parameter tensors that are not this model's "
+                           "parameters, so training would change nothing the model uses: build the optimizer from "
+                           "this model, e.g. torch.optim.SGD(model.parameters(), lr=0.1), after creating the model "
+                           "(a subset, for fine-tuning, is fine)").format(foreign=len(foreign), total=len(params)))
 
 
 class TrainStep:

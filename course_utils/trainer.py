@@ -14,9 +14,6 @@ from __future__ import annotations
 
 import copy
 import math
-import signal
-import threading
-from collections.abc import Mapping
 from pathlib import Path
 
 import torch
@@ -30,7 +27,8 @@ from .checkpoint import CheckpointError, EpochPosition, NonFiniteLossError
 from .device import get_device
 from .loader_state import LoaderState
 from .memory import MemoryCheck, ResilientStep
-from .step import TrainStep, batch_len, forward
+from .signals import PREEMPTED_EXIT, DeferredStop
+from .step import TrainStep, as_pair, batch_len, check_optimizer_holds, forward, move_batch
 from .i18n import _
 
 __all__ = ["Callback", "CheckpointError", "NonFiniteLossError", "StopTraining", "Trainer", "move_batch",
@@ -39,98 +37,14 @@ __all__ = ["Callback", "CheckpointError", "NonFiniteLossError", "StopTraining", 
 GO_ON, STOP, INTERRUPT = 0, 1, 2  # what a rank wishes after a step; the largest wish over ranks wins
 
 
-def move_batch(batch, device: torch.device, non_blocking: bool = True):
-    """Move a batch (a tensor, or a tuple, list, namedtuple or mapping of them, nested) to `device`, keeping
-    each container's type. Tensors already there are not copied."""
-    if type(batch) is tuple and len(batch) == 2:  # the usual (inputs, targets): skip the work if already there
-        x, y = batch
-        if isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) and x.device == device and y.device == device:
-            return batch
-    if isinstance(batch, torch.Tensor):
-        return batch.to(device, non_blocking=non_blocking)
-    if isinstance(batch, Mapping):
-        moved = {k: move_batch(v, device, non_blocking) for k, v in batch.items()}
-        try:
-            return type(batch)(moved)  # dict, OrderedDict, a Hugging Face BatchEncoding...
-        except TypeError:  # a mapping type that cannot be built from a dict (defaultdict needs its factory)
-            copy_ = copy.copy(batch)
-            copy_.update(moved)
-            return copy_
-    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # a namedtuple: built from positional fields
-        return type(batch)(*(move_batch(b, device, non_blocking) for b in batch))
-    if isinstance(batch, (list, tuple)):
-        moved = [move_batch(b, device, non_blocking) for b in batch]
-        for build in (lambda: type(batch)(moved), lambda: type(batch)(*moved)):  # from an iterable, or fields
-            try:
-                return build()
-            except TypeError:
-                pass
-        return moved if isinstance(batch, list) else tuple(moved)
-    return batch
-
-
 def read_checkpoint(path, map_location=None) -> dict:
     """Load a Trainer checkpoint with `weights_only=True`, or raise CheckpointError naming the file."""
     return ckpt.load(path, map_location=map_location)
 
 
-PREEMPTED_EXIT = 128 + signal.SIGTERM  # the status of a process ended by SIGTERM: "stopped from outside, saved"
-
-
-class _DeferInterrupt:
-    """While active, a first Ctrl-C (SIGINT, also Jupyter's "interrupt kernel") only sets a flag that the
-    loop reads between steps, so a step is never cut in half; a second Ctrl-C interrupts at once. SIGTERM (what
-    a cluster scheduler sends before it preempts a job, and torchrun to its workers) is deferred the same way."""
-
-    SIGNALS = (signal.SIGINT, signal.SIGTERM)
-
-    def __init__(self):
-        self.requested = False
-        self.terminated = False
-        self._previous: dict = {}
-
-    def _handler(self, signum, frame):
-        if signum == signal.SIGTERM:
-            self.requested = self.terminated = True
-            return
-        if self.requested and not self.terminated:  # second Ctrl-C: the learner really wants out now
-            signal.signal(signal.SIGINT, self._previous.pop(signal.SIGINT))
-            raise KeyboardInterrupt
-        self.requested = True
-
-    def __enter__(self):
-        self.requested = self.terminated = False
-        if threading.current_thread() is threading.main_thread():
-            self._previous = {s: signal.signal(s, self._handler) for s in self.SIGNALS}
-        return self
-
-    def __exit__(self, *exc):
-        for s, previous in self._previous.items():
-            signal.signal(s, previous)
-        self._previous = {}
-        return False
-
-
 def _reason(stop: StopTraining | None) -> str:
     """Why training stopped, in words: the StopTraining's message, or a default when it has none."""
     return (str(stop) if stop is not None else "") or _("a callback raised StopTraining")
-
-
-def _pair(batch, batch_fn):
-    """(inputs, targets) of one loader batch: `batch_fn(batch)` when given, else the batch itself."""
-    if batch_fn is not None:
-        batch = batch_fn(batch)
-    if isinstance(batch, (tuple, list)) and len(batch) == 2:
-        return batch
-    if isinstance(batch, Mapping):
-        raise TypeError(_("the loader yields dicts (keys {keys}), and the Trainer needs (inputs, targets): say which "
-                          "entries they are with batch_fn, e.g. Trainer(..., batch_fn=lambda b: (b[\"input_ids\"], "
-                          "b[\"labels\"])); inputs may be a dict too, passed to the model as keyword arguments").format(
-            keys=sorted(map(str, batch))))
-    raise TypeError(_("a batch must be (inputs, targets), got a {type}{size}; pass batch_fn=... to turn the "
-                      "loader's batches into (inputs, targets)").format(
-        type=type(batch).__name__, size=_(" of {n} items").format(n=len(batch)) if isinstance(batch, (tuple, list))
-        else ""))
 
 
 def _precision(mixed_precision, device: torch.device) -> MixedPrecision:
@@ -210,7 +124,7 @@ class Trainer:
             raise ValueError(f"accumulate must be a positive int, got {accumulate!r}")
         if batch_fn is not None and not callable(batch_fn):
             raise TypeError(f"batch_fn must be a function of a batch, got {type(batch_fn).__name__}")
-        _check_optimizer_holds(model, optimizer)
+        check_optimizer_holds(model, optimizer)
         device = device if isinstance(device, torch.device) else get_device(device)
         # One process, or (under torchrun) this rank of the group: one GPU per local rank, or the CPU with gloo.
         self.process = distributed.join(device.type)
@@ -318,10 +232,10 @@ class Trainer:
 
     # --- epochs ------------------------------------------------------------------------------
 
-    def train_epoch(self, interrupt: _DeferInterrupt | None = None, hooks: dict | None = None) -> float | None:
+    def train_epoch(self, interrupt: DeferredStop | None = None, hooks: dict | None = None) -> float | None:
         """Train one epoch; returns its mean loss, or None if it stopped early (its position kept for a resume)."""
         hooks = hooks if hooks is not None else self._connect()
-        interrupt = interrupt if interrupt is not None else _DeferInterrupt()  # never entered: never requested
+        interrupt = interrupt if interrupt is not None else DeferredStop()  # never entered: never requested
         self.model.train()
         batches = self._loader.epoch(self.epoch)  # positioned where an interrupted epoch stopped, if one did
         position, self.position = self.position, None
@@ -341,7 +255,7 @@ class Trainer:
         try:
             for batch in batches:
                 if type(batch) is not tuple or len(batch) != 2 or self.batch_fn is not None:  # else (inputs, targets)
-                    batch = _pair(batch, self.batch_fn)
+                    batch = as_pair(batch, self.batch_fn)
                 batch = move_batch(batch, self.device)
                 if batch_start:
                     self._emit(batch_start, batch)
@@ -435,7 +349,7 @@ class Trainer:
         self._requested = None
         self.epochs_this_call = epochs
         hooks = self._connect()
-        interrupt = _DeferInterrupt()
+        interrupt = DeferredStop()
         try:
             if self._stop_between_epochs(hooks["on_train_start"]):
                 self._stopped_early(between_epochs=True)
@@ -511,7 +425,7 @@ class Trainer:
         correct = torch.zeros((), device=self.device, dtype=torch.float64)
         count = 0
         for batch in loader:
-            inputs, targets = move_batch(_pair(batch, self.batch_fn), self.device)
+            inputs, targets = move_batch(as_pair(batch, self.batch_fn), self.device)
             with self.precision.autocast():
                 logits = forward(self.model, inputs)  # the model itself: no DistributedDataParallel collectives
             total_loss += self.loss_fn(logits.float(), targets) * len(targets)
@@ -632,15 +546,3 @@ class Trainer:
             raise CheckpointError(_("checkpoint '{path}' does not fit this trainer: {message}").format(
                 path=path, message=exc)) from None
         return self
-
-
-def _check_optimizer_holds(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-    """The optimizer must update the model's own parameters (all of them, or a subset for fine-tuning)."""
-    own = {id(p) for p in model.parameters()}
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    foreign = [p for p in params if id(p) not in own]
-    if foreign:
-        raise ValueError(_("the optimizer holds {foreign} of its {total} parameter tensors that are not this model's "
-                           "parameters, so training would change nothing the model uses: build the optimizer from "
-                           "this model, e.g. torch.optim.SGD(model.parameters(), lr=0.1), after creating the model "
-                           "(a subset, for fine-tuning, is fine)").format(foreign=len(foreign), total=len(params)))

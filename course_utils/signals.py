@@ -1,0 +1,53 @@
+"""Stop requests from outside, deferred to a step boundary: Ctrl-C (SIGINT, also Jupyter's "interrupt
+kernel") and SIGTERM (what a cluster scheduler sends before it preempts a job, and torchrun to its workers).
+
+    with DeferredStop() as stop:
+        for batch in loader:
+            step(batch)              # never cut in half by the first Ctrl-C
+            if stop.requested:       # read between steps
+                break
+
+`PREEMPTED_EXIT` is the exit status of a process stopped by SIGTERM that saved its state first.
+"""
+from __future__ import annotations
+
+import signal
+import threading
+
+PREEMPTED_EXIT = 128 + signal.SIGTERM  # the status of a process ended by SIGTERM: "stopped from outside, saved"
+
+
+class DeferredStop:
+    """While active, a first Ctrl-C (SIGINT, also Jupyter's "interrupt kernel") only sets a flag that the
+    loop reads between steps, so a step is never cut in half; a second Ctrl-C interrupts at once. SIGTERM (what
+    a cluster scheduler sends before it preempts a job, and torchrun to its workers) is deferred the same way."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self):
+        self.requested = False
+        self.terminated = False
+        self._previous: dict = {}
+
+    def _handler(self, signum, frame):
+        if signum == signal.SIGTERM:
+            self.requested = self.terminated = True
+            return
+        if self.requested and not self.terminated:  # second Ctrl-C: the learner really wants out now
+            signal.signal(signal.SIGINT, self._previous.pop(signal.SIGINT))
+            raise KeyboardInterrupt
+        self.requested = True
+
+    def __enter__(self):
+        self.requested = self.terminated = False
+        if threading.current_thread() is threading.main_thread():
+            self._previous = {s: signal.signal(s, self._handler) for s in self.SIGNALS}
+        return self
+
+    def __exit__(self, *exc):
+        for s, previous in self._previous.items():
+            signal.signal(s, previous)
+        self._previous = {}
+        return False
+
+
