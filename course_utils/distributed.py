@@ -96,6 +96,10 @@ class Process:
     def barrier(self) -> None:
         barrier(self)
 
+    def stop_vote(self) -> "StopVote":
+        """How the ranks agree on a stop without a blocking round trip per step (`StopVote`)."""
+        return StopVote(self)
+
     @classmethod
     def from_environment(cls, env=None) -> "Process | None":
         """The rank, world size and local rank torchrun set, or None outside a distributed launch (or with
@@ -143,8 +147,21 @@ class OneProcess:
     def barrier(self) -> None:
         pass
 
+    def stop_vote(self) -> "Alone":
+        return Alone()
+
     def __repr__(self) -> str:
         return "OneProcess()"
+
+
+class Alone:
+    """The stop vote of one process: its wish is the answer, at once."""
+
+    def __call__(self, wish: int) -> int:
+        return wish
+
+    def settle(self, wish: int = 0) -> int:
+        return wish
 
 
 def join(device_type: str | None = None) -> "Process | OneProcess":
@@ -322,16 +339,15 @@ class StopVote:
     ranks use the largest proposal. All ranks make the same calls and read the same answers at the same call,
     so they stop together: about 2 x `seconds` (at least 2 x `every` steps) after the wish. `seconds=None`
     keeps `every` fixed (the environment variable COURSE_STOP_VOTE_SECONDS=0 does the same, for tests that
-    need the stop at a known step). Outside a distributed run a wish is its own answer, at once.
+    need the stop at a known step). In one process `Alone` stands in: a wish is its own answer, at once.
     """
 
     MAX_EVERY = 4096  # steps: a bound on the interval whatever a step costs
 
-    def __init__(self, process: "Process | OneProcess | None", every: int = 8, seconds: float | None = None):
+    def __init__(self, process: Process, every: int = 8, seconds: float | None = None):
         if seconds is None:
             seconds = float(os.environ.get(ENV_VOTE_SECONDS, "0.25"))
         self.process = process
-        self.alone = process is None or process.world_size == 1  # one process: a wish is its own answer
         self.every = every
         self.least = every
         self.seconds = seconds if seconds and seconds > 0 else None
@@ -368,8 +384,6 @@ class StopVote:
         return wish
 
     def __call__(self, wish: int) -> int:
-        if self.alone:
-            return wish
         self._wish = max(self._wish, wish)
         self._left -= 1
         if self._left > 0:
@@ -383,8 +397,6 @@ class StopVote:
 
     def settle(self, wish: int = 0) -> int:
         """The agreed wish, counting everything posted so far and `wish`: a blocking round trip."""
-        if self.alone:
-            return wish
         agreed = self._read()
         latest = largest(max(self._wish, wish), self.process)
         self._wish, self._left, self._posted_at = 0, self.every, None

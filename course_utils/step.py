@@ -108,6 +108,8 @@ def move_batch(batch, device: torch.device, non_blocking: bool = True):
 
 def as_pair(batch, batch_fn=None):
     """(inputs, targets) of one loader batch: `batch_fn(batch)` when given, else the batch itself."""
+    if type(batch) is tuple and len(batch) == 2 and batch_fn is None:  # the usual case: nothing to do
+        return batch
     if batch_fn is not None:
         batch = batch_fn(batch)
     if isinstance(batch, (tuple, list)) and len(batch) == 2:
@@ -135,13 +137,19 @@ def check_optimizer_holds(model: nn.Module, optimizer: torch.optim.Optimizer) ->
                            "(a subset, for fine-tuning, is fine)").format(foreign=len(foreign), total=len(params)))
 
 
+def _nothing() -> None:
+    pass
+
+
 class TrainStep:
     """One optimizer step over a group of batches, each optionally cut into chunks.
 
-    `after_backward` and `before_optimizer_step` are callables (or None) run once per step: after the last
-    backward (gradients complete, still scaled under fp16), and after unscaling and clipping, just before
-    `optimizer.step()`. The Trainer connects its callbacks there. `grad_norm` holds the last step's total
-    gradient norm when clipping (a device tensor: reading it is a CPU-GPU sync).
+    `connect(after_backward=..., before_optimizer_step=...)` sets two functions (of no arguments; by default
+    they do nothing) run once per step: after the last backward (gradients complete, still scaled under fp16),
+    and after unscaling and clipping, just before `optimizer.step()`. The Trainer connects its callbacks there.
+    The update is one path: unscale (a no-op but under float16 scaling), clip (chosen once: clipping or not),
+    step. `grad_norm` holds the last step's total gradient norm when clipping (a device tensor: reading it is a
+    CPU-GPU sync).
 
     `reduction` says what `loss_fn` returns: "mean" (PyTorch's default) is weighted by chunk size; "sum" is
     added as it is.
@@ -168,10 +176,23 @@ class TrainStep:
         self.precision = precision
         self.grad_clip = grad_clip
         self.reduction = reduction
-        self.after_backward: Callable[[], None] | None = None
-        self.before_optimizer_step: Callable[[], None] | None = None
+        self.connect()
         self.grad_norm: torch.Tensor | None = None
         self.in_optimizer_step = False  # True while unscale/clip/step run: an error there is not the forward's
+
+    @property
+    def grad_clip(self) -> float | None:
+        return self._grad_clip
+
+    @grad_clip.setter
+    def grad_clip(self, value: float | None) -> None:
+        self._grad_clip = value
+        self._clip = _nothing if value is None else self._clip_grad_norm  # chosen once, not tested every step
+
+    def connect(self, after_backward: Callable[[], None] = None, before_optimizer_step: Callable[[], None] = None):
+        """The two per-step hooks (None: nothing)."""
+        self.after_backward = after_backward or _nothing
+        self.before_optimizer_step = before_optimizer_step or _nothing
 
     def __call__(self, inputs, targets) -> torch.Tensor:
         """One step on one batch; returns its mean loss (detached, on the device: no sync)."""
@@ -185,12 +206,12 @@ class TrainStep:
         self.in_optimizer_step = False
         self.optimizer.zero_grad(set_to_none=True)
         if chunk_size is None and len(batches) == 1:  # the usual step: one whole batch, nothing to weigh
-            inputs, targets = batches[0]
-            losses = [self._backward(inputs, targets, 1, 1)]
+            loss = self._loss(*batches[0])
+            self.precision.backward(loss)
+            losses = [loss.detach()]
         else:
             losses = self._weighted(batches, chunk_size)
-        if self.after_backward is not None:
-            self.after_backward()
+        self.after_backward()
         self._update()
         return losses
 
@@ -212,30 +233,29 @@ class TrainStep:
         for i, (b, x, y, m) in enumerate(chunks):
             quiet = no_sync() if no_sync is not None and i < len(chunks) - 1 else contextlib.nullcontext()
             with quiet:
-                part = self._backward(x, y, m, total)
+                loss = self._loss(x, y)
+                self.precision.backward(loss * (m / total if self.reduction == "mean" else 1.0))  # share of the group
+            part = loss.detach()
             if m != sizes[b] and self.reduction == "mean":
                 part = part * (m / sizes[b])  # chunk mean -> its share of the batch mean
             losses[b] = part if losses[b] is None else losses[b] + part  # stays on the device: no sync
         return losses
 
-    def _backward(self, inputs, targets, n: int, total: int) -> torch.Tensor:
-        """Forward, loss and backward of one chunk of `n` of the group's `total` samples; returns its loss
-        (detached, unweighted)."""
+    def _loss(self, inputs, targets) -> torch.Tensor:
+        """Forward and loss of one chunk under the precision's autocast."""
         with self.precision.autocast():
-            loss = self.loss_fn(forward(self.model, inputs), targets)
-        weighted = loss * (n / total) if n != total and self.reduction == "mean" else loss  # share of the group
-        self.precision.backward(weighted)
-        return loss.detach()
+            return self.loss_fn(forward(self.model, inputs), targets)
 
     def _update(self) -> None:
         self.in_optimizer_step = True
         self.precision.unscale_(self.optimizer)  # fp16: gradients back in true units; otherwise nothing
-        if self.grad_clip is not None:
-            self.grad_norm = nn.utils.clip_grad_norm_(optimizer_params(self.optimizer), self.grad_clip)
-        if self.before_optimizer_step is not None:
-            self.before_optimizer_step()
+        self._clip()
+        self.before_optimizer_step()
         self.precision.step(self.optimizer)
         self.in_optimizer_step = False
+
+    def _clip_grad_norm(self) -> None:
+        self.grad_norm = nn.utils.clip_grad_norm_(optimizer_params(self.optimizer), self.grad_clip)
 
     def state_dict(self) -> dict:
         """Nothing to save: a TrainStep keeps no state between steps (`ResilientStep` keeps its chunk size)."""

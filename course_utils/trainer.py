@@ -148,7 +148,7 @@ class Trainer:
         if checkpoint is not None:
             self.callbacks.append(Checkpoint(checkpoint))
         self._loader = LoaderState(train_loader)
-        self._vote = distributed.StopVote(self.process)
+        self._vote = self.process.stop_vote()  # one process: its own wish, at once
         self.history: list[float] = []
         self.logs: list[dict] = []
         self.epoch = 0               # finished epochs
@@ -185,19 +185,16 @@ class Trainer:
     # --- callbacks ---------------------------------------------------------------------------
 
     def _connect(self) -> dict[str, list]:
-        """The callbacks' overridden hooks, in `order`; the step calls its two hooks only if someone listens."""
+        """The callbacks' overridden hooks, in `order` (a hook nobody overrides is an empty list: nothing to
+        call, nothing to test for); the step's two hooks are connected to the trainer's."""
         ordered = sorted(self.callbacks, key=lambda cb: getattr(cb, "order", 0))
         for cb in ordered:
             warn_unknown_hooks(cb)
         hooks = {name: [getattr(cb, name) for cb in ordered if overridden(cb, name)] for name in HOOKS}
-        self.train_step.after_backward = self._caller(hooks["on_after_backward"])
-        self.train_step.before_optimizer_step = self._caller(hooks["on_before_optimizer_step"])
+        self.train_step.connect(after_backward=lambda: self._emit(hooks["on_after_backward"]),
+                                before_optimizer_step=lambda: self._emit(hooks["on_before_optimizer_step"]))
+        self._hooks = hooks
         return hooks
-
-    def _caller(self, fns: list):
-        if not fns:
-            return None
-        return lambda: self._emit(fns)
 
     def _emit(self, fns: list, *args) -> None:
         """Call every hook in `fns`. A StopTraining is noted (`_requested`), not raised: the Trainer acts on it at
@@ -210,9 +207,8 @@ class Trainer:
                     self._requested = _reason(exc)
 
     def _wish(self, interrupt) -> int:
-        if interrupt.requested:
-            return INTERRUPT
-        return STOP if self._requested is not None else GO_ON
+        """This rank's wish after a step: the largest of Ctrl-C/SIGTERM (INTERRUPT) and StopTraining (STOP)."""
+        return max(INTERRUPT * interrupt.requested, STOP * (self._requested is not None))
 
     def _agreed_reason(self) -> str:
         """The reason of the StopTraining every rank agreed on (raised on this rank or another): a collective,
@@ -249,27 +245,12 @@ class Trainer:
             self.batch_in_epoch = position.batches_done
         self._losses, self._first_loss_batch = [], self.batch_in_epoch
         self._pass_over = False
-        batch_start, batch_end = hooks["on_batch_start"], hooks["on_batch_end"]
-        after_step = hooks["on_after_optimizer_step"]
-        group: list = []
         try:
-            for batch in batches:
-                if type(batch) is not tuple or len(batch) != 2 or self.batch_fn is not None:  # else (inputs, targets)
-                    batch = as_pair(batch, self.batch_fn)
-                batch = move_batch(batch, self.device)
-                if batch_start:
-                    self._emit(batch_start, batch)
-                group.append(batch)
-                if len(group) < self.accumulate:
-                    continue
-                self._step(group, after_step, batch_end)
-                group = []
+            for group in self._groups(batches, hooks["on_batch_start"]):  # one step's batches
+                self._step(group, hooks["on_after_optimizer_step"], hooks["on_batch_end"])
                 wish = self._vote(self._wish(interrupt))  # another rank's wish arrives a few steps later
-                if wish != GO_ON:
-                    return self._stop_inside_epoch(wish)
-            self._pass_over = True  # the loader's pass is over (a periodic save now must say so)
-            if group:  # the last, smaller group of the epoch
-                self._step(group, after_step, batch_end)
+                if wish != GO_ON:  # (after the last, smaller group the loader's pass is over: `finished`)
+                    return self._stop_inside_epoch(wish, finished=self._pass_over)
         except KeyboardInterrupt:  # a second Ctrl-C, anywhere (maybe inside a step): that step is dropped
             return self._stop_inside_epoch(INTERRUPT)
         wish = self._vote.settle(self._wish(interrupt))  # epoch end: every rank's last wishes
@@ -320,11 +301,26 @@ class Trainer:
             "scales the loss). callbacks=[CheckFinite()] stops at the bad step itself (one sync a step).").format(
             value=value, where=where))
 
+    def _groups(self, batches, batch_start):
+        """The epoch's batches as (inputs, targets) on the device, in groups of `accumulate` (one optimizer step
+        each; the last group may be smaller), each batch shown to the on_batch_start hooks as it is drawn. No batch
+        is drawn beyond the group being trained, so a stop between groups leaves nothing drawn and untrained."""
+        group = []
+        for batch in batches:
+            batch = move_batch(as_pair(batch, self.batch_fn), self.device)
+            self._emit(batch_start, batch)
+            group.append(batch)
+            if len(group) == self.accumulate:
+                yield group
+                group = []
+        self._pass_over = True  # the loader's pass is over (a periodic save now must say so)
+        if group:  # the last, smaller group of the epoch
+            yield group
+
     def _step(self, group, after_step, batch_end) -> None:
         losses = self.step.group(group)
         self.optimizer_steps += 1
-        if after_step:
-            self._emit(after_step)
+        self._emit(after_step)
         last = len(group) - 1
         for i, ((_inputs, targets), loss) in enumerate(zip(group, losses)):
             n = batch_len(targets)
@@ -333,12 +329,11 @@ class Trainer:
             self._samples += n
             self.batch_in_epoch += 1
             self.batches_trained += 1
-            if batch_end:
-                self.at_step_boundary = i == last  # the group's last batch: all of the step is counted
-                try:
-                    self._emit(batch_end, loss)
-                finally:
-                    self.at_step_boundary = False
+            self.at_step_boundary = i == last  # the group's last batch: all of the step is counted
+            try:
+                self._emit(batch_end, loss)
+            finally:
+                self.at_step_boundary = False
 
     def __call__(self, epochs: int = 1) -> list[float]:
         if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 0:

@@ -102,3 +102,81 @@ def test_evaluate_runs_in_eval_mode_and_restores_training_mode():
     train_mode = (model(x).argmax(1) == y).float().mean().item()  # dropout on: another answer
     assert result["accuracy"] == pytest.approx(expected) and train_mode != pytest.approx(expected)
     assert model.training
+
+
+def _branches_per_step(make_trainer, skip_functions, skip_files) -> dict:
+    """{(file, line): conditionals evaluated per step} in course_utils code during a steady-state epoch: an epoch
+    of 12 batches minus one of 4, over the 8 extra steps (what an epoch costs once cancels out). A conditional is
+    an `if`/`elif`/`while` test, a conditional expression, or a comprehension's `if`, found with `ast`."""
+    import ast
+    import collections
+    import os
+    import sys
+
+    import course_utils
+
+    package = os.path.dirname(course_utils.__file__) + os.sep
+    tests_of: dict = {}
+
+    def conditionals(path):
+        if path not in tests_of:
+            lines = set()
+            for node in ast.walk(ast.parse(open(path).read())):
+                if isinstance(node, (ast.If, ast.While)):
+                    lines.add(node.test.lineno)
+                elif isinstance(node, ast.IfExp):
+                    lines.add(node.lineno)
+                elif isinstance(node, ast.comprehension) and node.ifs:
+                    lines.add(node.ifs[0].lineno)
+            tests_of[path] = lines
+        return tests_of[path]
+
+    def count(trainer):
+        hits = collections.Counter()
+
+        def local(frame, event, arg):
+            if event == "line" and frame.f_lineno in conditionals(frame.f_code.co_filename):
+                hits[(os.path.relpath(frame.f_code.co_filename, package), frame.f_lineno)] += 1
+            return local
+
+        def calls(frame, event, arg):
+            name = frame.f_code.co_filename
+            if not name.startswith(package) or frame.f_code.co_name in skip_functions \
+                    or os.path.relpath(name, package) in skip_files:
+                return None
+            return local
+
+        sys.settrace(calls)
+        try:
+            trainer(1)
+        finally:
+            sys.settrace(None)
+        return hits
+
+    short, long = make_trainer(4), make_trainer(12)
+    few, many = count(short), count(long)
+    return {k: (many[k] - few.get(k, 0)) / 8 for k in many if many[k] != few.get(k, 0)}
+
+
+def test_a_plain_step_passes_at_most_five_branches_on_how_the_trainer_was_built():
+    """fp32, one process, accumulate=1, no callbacks: precision, processes, clipping and hooks are chosen once at
+    construction, so a step does not ask about them. Not counted: the helpers that look at what a batch *is*
+    (a tensor, a tuple, a dict: move_batch, as_pair, batch_len, forward) and the loader's own code."""
+    def maker(**options):
+        def make(batches):
+            torch.manual_seed(0)
+            x, y = torch.randn(batches * 4, 6), torch.randint(0, 3, (batches * 4,))
+            model = nn.Linear(6, 3)
+            t = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), nn.CrossEntropyLoss(),
+                        TensorLoader(x, y, batch_size=4, shuffle=False), device="cpu", **options)
+            t(1)  # warm: the memory check and first-epoch work are done
+            return t
+        return make
+
+    skip = dict(skip_functions={"move_batch", "as_pair", "batch_len", "forward"},
+                skip_files={"data.py", "loader_state.py"})
+    plain = _branches_per_step(maker(), **skip)
+    assert sum(plain.values()) <= 5, plain
+    assert _branches_per_step(maker(grad_clip=1.0), **skip) == plain  # clipping or not: chosen once
+    # the count sees what a step does test: the OOM-resilient step asks about its chunk size every step
+    assert sum(_branches_per_step(maker(oom_recovery=True), **skip).values()) > sum(plain.values())
