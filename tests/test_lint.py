@@ -75,6 +75,9 @@ def test_the_package_has_no_import_cycle_not_even_inside_functions(tmp_path):
     graph = _intra_package_imports(ROOT / "course_utils")
     assert _cycle(graph) is None, "import cycle: " + " -> ".join(_cycle(graph))
     assert graph["course_utils.monitor.stats"] == set(), "the monitor's data types are a leaf"
+    # the tool chain (translation, slides) is outside what learners import
+    uses_tools = [str(p.relative_to(ROOT)) for p in (ROOT / "course_utils").rglob("*.py") if "course_tools" in p.read_text()]
+    assert uses_tools == [], uses_tools
     # the check sees a cycle hidden in a function-level import, and ignores one under TYPE_CHECKING
     pkg = tmp_path / "pkg"
     pkg.mkdir()

@@ -1,4 +1,4 @@
-"""RISE slide metadata (course_utils.slides): the committed notebooks have it up to date and no screen overflows;
+"""RISE slide metadata (course_tools.slides): the committed notebooks have it up to date and no screen overflows;
 the command, run on copies of the real notebooks, changes only slide metadata, is idempotent and keeps the rule."""
 import base64
 import json
@@ -13,7 +13,7 @@ import nbformat
 import pytest
 from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook, new_output
 
-from course_utils import slides
+from course_tools import slides
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
@@ -49,13 +49,13 @@ def test_committed_notebooks_have_up_to_date_slide_metadata(edition, paths):
     problems = slides.check(paths)
     if problems:
         pytest.fail(f"{len(problems)} cells without up-to-date slide metadata; run "
-                    f"`python -m course_utils.slides {edition}`:\n" + "\n".join(problems[:20]), pytrace=False)
+                    f"`python -m course_tools.slides {edition}`:\n" + "\n".join(problems[:20]), pytrace=False)
 
 
 def test_no_slide_of_a_committed_notebook_overflows():
     over, long, screens = _course_rule(NOTEBOOKS)
     assert not over, (f"screens of several cells over {slides.BUDGET} + {slides.OVERFLOW_TOLERANCE} lines (is the "
-                      f"slide metadata up to date? `python -m course_utils.slides notebooks/`): {over}")
+                      f"slide metadata up to date? `python -m course_tools.slides notebooks/`): {over}")
     assert len(long) <= slides.LONG_CELL_SHARE * screens, (
         f"{len(long)} of {screens} screens are a single cell taller than the screen, more than "
         f"{slides.LONG_CELL_SHARE:.0%}: split some of these cells (notebook, cell, lines): {long}")
@@ -142,12 +142,12 @@ def test_check_from_the_command_line_names_notebook_and_cell(copies):
     data = json.loads(target.read_text())
     data["cells"][1]["metadata"]["slideshow"]["slide_type"] = "slide"  # a hand edit the headings do not give
     target.write_text(json.dumps(data, indent=1, sort_keys=True, ensure_ascii=False) + "\n")
-    run = subprocess.run([sys.executable, "-m", "course_utils.slides", "--check", str(target)],
+    run = subprocess.run([sys.executable, "-m", "course_tools.slides", "--check", str(target)],
                          capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert run.returncode == 1, run
     assert f"{target}: cell 1 (" in run.stdout and "slide_type 'slide', expected '-'" in run.stdout
-    assert "python -m course_utils.slides" in run.stderr
-    run = subprocess.run([sys.executable, "-m", "course_utils.slides", str(target)],
+    assert "python -m course_tools.slides" in run.stderr
+    run = subprocess.run([sys.executable, "-m", "course_tools.slides", str(target)],
                          capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert run.returncode == 0 and "1 cell(s) changed" in run.stdout, run
 

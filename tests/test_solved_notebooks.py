@@ -12,7 +12,7 @@ import nbformat
 import pytest
 from nbclient import NotebookClient
 
-from course_utils import translate
+from course_tools import translate
 from course_utils.exercises.solve import exercise_cells
 
 NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"

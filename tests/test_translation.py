@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from course_utils import translate
+from course_tools import translate
 from course_utils.i18n import _, get_language, speaking
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -39,7 +39,7 @@ def test_the_chinese_notebook_is_generated_from_the_current_catalog(path):
     assert [c["id"] for c in committed["cells"]] == [c["id"] for c in english["cells"]]
     for want, got in zip(expected["cells"], committed["cells"]):
         assert translate._source(got) == translate._source(want), (
-            f"{path.name} cell {want['id']}: notebooks/zh-CN is stale; run python -m course_utils.translate build "
+            f"{path.name} cell {want['id']}: notebooks/zh-CN is stale; run python -m course_tools.translate build "
             "and execute it")
 
 

@@ -230,14 +230,14 @@ def _screens_in_order(types: list) -> list:
 
 
 def test_notebook_shows_as_rise_slides(lab, tmp_path):
-    """A course notebook, given its slide metadata by `python -m course_utils.slides`, as a RISE slideshow: the
+    """A course notebook, given its slide metadata by `python -m course_tools.slides`, as a RISE slideshow: the
     /rise/<path> page that RISE's toolbar button (Alt+R) shows in JupyterLab, here at 1280x720. Space steps through
     exactly the slides, subslides and fragments the metadata makes, and no screen of several cells is taller than
     the window. Then Alt+R in JupyterLab opens the same slideshow beside the notebook."""
     pytest.importorskip("jupyterlab_rise", reason="jupyterlab-rise (requirements.txt) is not installed")
     from playwright.sync_api import expect, sync_playwright
 
-    from course_utils import slides
+    from course_tools import slides
 
     base, token = lab
     notebook = tmp_path / "notebooks" / SLIDES_NOTEBOOK.name

@@ -1,6 +1,6 @@
 """Slides from the same notebooks: RISE slide metadata generated from the headings.
 
-`python -m course_utils.slides notebooks/` gives every cell of every notebook a
+`python -m course_tools.slides notebooks/` gives every cell of every notebook a
 `metadata.slideshow.slide_type` for RISE (`jupyterlab-rise`, which shows a notebook as a reveal.js slideshow):
 
 * the first cell, and every markdown cell with a `# ` or `## ` heading (a section): `"slide"`;
@@ -427,7 +427,7 @@ def check(paths) -> list[str]:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m course_utils.slides",
+        prog="python -m course_tools.slides",
         description="Give notebooks RISE slide metadata (slideshow.slide_type) from their headings: a slide per "
                     "## section, subslides for ### parts and wherever a slide would overflow a 1280x720 screen, "
                     "fragments for results that answer a question. Only slideshow metadata is rewritten.")
@@ -445,7 +445,7 @@ def main(argv=None) -> int:
             print(line)
         if problems:
             print(f"{len(problems)} cell(s) without up-to-date slide metadata: "
-                  f"run python -m course_utils.slides {' '.join(args.paths)}", file=sys.stderr)
+                  f"run python -m course_tools.slides {' '.join(args.paths)}", file=sys.stderr)
             return 1
         print(f"slide metadata up to date in {len(notebooks)} notebook(s)")
         return 0

@@ -1,10 +1,10 @@
 """The Chinese edition of the notebooks, generated from the English ones and gettext PO catalogs.
 
-    python -m course_utils.translate update   # new or changed English text -> entries in the catalogs
-    python -m course_utils.translate check    # every unit translated and current? exit 1 and say which if not
-    python -m course_utils.translate build    # notebooks/zh-CN/NN_*.ipynb from the English ones (no outputs)
-    python -m course_utils.translate build --execute   # ... and run each from a fresh kernel, outputs saved
-    python -m course_utils.translate build --solved DIR  # the solved Chinese edition (instructor version)
+    python -m course_tools.translate update   # new or changed English text -> entries in the catalogs
+    python -m course_tools.translate check    # every unit translated and current? exit 1 and say which if not
+    python -m course_tools.translate build    # notebooks/zh-CN/NN_*.ipynb from the English ones (no outputs)
+    python -m course_tools.translate build --execute   # ... and run each from a fresh kernel, outputs saved
+    python -m course_tools.translate build --solved DIR  # the solved Chinese edition (instructor version)
 
 The English notebooks are the source. Each notebook has a catalog, `notebooks/locale/zh_CN/NN_name.po`, with one
 entry per unit a learner reads:
@@ -24,7 +24,7 @@ the notebook and cell.
 The built notebooks call `course_utils.set_language("zh-CN")` in their first code cell, so `course_utils`' own
 messages (feedback, diagnoses, warnings, monitor labels) come from its catalogs (`course_utils/i18n.py`):
 
-    python -m course_utils.translate messages  # extract _("...") / N_("...") of every module (Babel) into
+    python -m course_tools.translate messages  # extract _("...") / N_("...") of every module (Babel) into
                                                # course_utils/locale/zh_CN/<module>.po, keeping translations
 
 `check` covers those catalogs too: every message translated and current, the same `{fields}` in both languages.
@@ -41,6 +41,8 @@ import sys
 import tokenize
 from dataclasses import dataclass
 from pathlib import Path
+
+import course_utils
 
 __all__ = ["LANGUAGE", "Problem", "Unit", "build_notebook", "catalog_path", "check", "check_messages", "code_units",
            "execute_notebook", "glossary", "join_cjk_lines", "solved_notebook", "with_language_line",
@@ -330,7 +332,7 @@ def check(notebooks: list[Path] | None = None, *, with_glossary: bool = True) ->
         name = notebook.name
         if po is None:
             problems.append(Problem(name, "-", "missing", f"no catalog {catalog_path(notebook).name}: run "
-                                                          "python -m course_utils.translate update"))
+                                                          "python -m course_tools.translate update"))
             continue
         entries = {(e.msgctxt, e.msgid): e for e in po if not e.obsolete}
         by_cell = {e.msgctxt: e for e in po if not e.obsolete and "kind: markdown" in e.comment}
@@ -364,7 +366,7 @@ def check(notebooks: list[Path] | None = None, *, with_glossary: bool = True) ->
 
 # --- course_utils' own messages --------------------------------------------------------------------------------
 
-PACKAGE = Path(__file__).resolve().parent
+PACKAGE = Path(course_utils.__file__).resolve().parent  # the learner's package: its modules and catalogs
 KEYWORDS = {"_": None, "N_": None}
 
 
@@ -448,7 +450,7 @@ def check_messages(modules: list[Path] | None = None, *, with_glossary: bool = T
         name = str(module.relative_to(PACKAGE.parent))
         if not path.exists():
             problems.append(Problem(name, "-", "missing", f"no catalog {path.name}: run python -m "
-                                                          "course_utils.translate messages"))
+                                                          "course_tools.translate messages"))
             continue
         entries = {e.msgid: e for e in polib.pofile(str(path), wrapwidth=0) if not e.obsolete}
         for lineno, message in messages:
@@ -456,7 +458,7 @@ def check_messages(modules: list[Path] | None = None, *, with_glossary: bool = T
             where = f"line {lineno}"
             if e is None:
                 problems.append(Problem(name, where, "missing", f"{message[:70]!r} is not in {path.name}; run "
-                                                                "python -m course_utils.translate messages"))
+                                                                "python -m course_tools.translate messages"))
             elif "fuzzy" in e.flags:
                 problems.append(Problem(name, where, "stale", f"{message[:70]!r} is marked fuzzy"))
             elif not e.msgstr.strip():
@@ -575,7 +577,7 @@ def solved_notebook(notebook: Path) -> dict:
     has no catalog entries, stays as written. Its cells' outputs are those of the English notebook (unrun)."""
     import nbformat
 
-    from .exercises.solve import solve_notebook
+    from course_utils.exercises.solve import solve_notebook
 
     english = solve_notebook(nbformat.read(notebook, as_version=4))
     return nbformat.from_dict(translate_notebook(english, load_catalog(notebook), strict=False,
@@ -596,7 +598,7 @@ def execute_notebook(path: Path, timeout: int = 600) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m course_utils.translate", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m course_tools.translate", description=__doc__.split("\n\n")[0])
     parser.add_argument("command", choices=["update", "check", "build", "messages"])
     parser.add_argument("notebooks", nargs="*", type=Path, help="English notebooks (default: all in notebooks/)")
     parser.add_argument("--execute", action="store_true", help="build: also run each built notebook, saving outputs")
@@ -630,7 +632,7 @@ def main(argv: list[str] | None = None) -> int:
     if problems:
         for p in problems:
             print(p)
-        print("not built: fix the catalogs first (python -m course_utils.translate check)", file=sys.stderr)
+        print("not built: fix the catalogs first (python -m course_tools.translate check)", file=sys.stderr)
         return 1
     if args.solved:
         args.solved.mkdir(parents=True, exist_ok=True)
