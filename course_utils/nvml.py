@@ -1,6 +1,6 @@
 """The one place that talks to NVML, the NVIDIA driver's management library (`nvidia-ml-py`, imported as
 `pynvml`). Used by the environment diagnosis (`course_utils.environment`) and by the live monitor
-(`course_utils.monitor.nvml`).
+(`course_utils.monitor.nvml_source`).
 
 - `load()`: the binding; raises ImportError when nvidia-ml-py is missing.
 - `init_once(nvml)`: initialise NVML for the rest of the process (the monitor samples every second);

@@ -29,7 +29,7 @@ from course_utils.monitor import loop as monitor_loop
 from course_utils.monitor._widgets import fmt_bytes
 from course_utils.monitor.chart import LineChart
 from course_utils.monitor.host import CgroupLimits
-from course_utils.monitor.nvml import normalize_uuid
+from course_utils.monitor.nvml_source import normalize_uuid
 from course_utils.monitor.stats import HostStats
 from course_utils.monitor.torch_source import cuda_index
 from course_utils.trainer import Callback, Trainer

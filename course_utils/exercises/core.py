@@ -12,6 +12,7 @@ function that raises NotImplementedError) is reported as "not attempted yet".
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import importlib
 import os
@@ -301,3 +302,21 @@ def solution(exercise_id: str) -> None:
         print(exc.args[0])
         return
     print(_("Reference solution for {id} ({title}):").format(id=exercise_id, title=_(ex.title)) + "\n\n" + _(ex.solution))
+
+
+@contextlib.contextmanager
+def seeded(seed: int = 0):
+    """A private CPU random state: deterministic checks that do not disturb the learner's RNG."""
+    import torch  # here: the registry itself needs no torch
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        yield
+
+
+def require_function(answer: Any, name: str) -> Callable:
+    """`answer` if it is a function (not a class), else Incorrect naming what it is."""
+    if isinstance(answer, type) or not callable(answer):
+        raise Incorrect(_("{name} should be a function (written with `def {name}(...)`), got {value}").format(
+            name=name, value=describe(answer)))
+    return answer

@@ -10,33 +10,16 @@ is reproducible and leaves the notebook's random state (and CUDA) untouched.
 """
 from __future__ import annotations
 
-import contextlib
-
 import torch
 from torch import nn
 
 from ..i18n import N_, _
-from .core import Exercise, Incorrect, Mistake, call, describe, register
-
-
-@contextlib.contextmanager
-def _seeded(seed: int = 0):
-    """A private CPU random state: deterministic checks that do not disturb the learner's RNG."""
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        yield
+from .core import Exercise, Incorrect, Mistake, call, describe, register, require_function, seeded
 
 
 def _require_module_class(answer, name: str) -> type:
     if not (isinstance(answer, type) and issubclass(answer, nn.Module)):
         raise Incorrect(_("{name} should be a class that subclasses nn.Module, got {value}").format(
-            name=name, value=describe(answer)))
-    return answer
-
-
-def _require_function(answer, name: str):
-    if isinstance(answer, type) or not callable(answer):
-        raise Incorrect(_("{name} should be a function (written with `def {name}(...)`), got {value}").format(
             name=name, value=describe(answer)))
     return answer
 
@@ -76,8 +59,8 @@ def _normalise_shapes(result, label: str) -> list[tuple[str, tuple]]:
 
 
 def _check_record_shapes(record_shapes):
-    _require_function(record_shapes, "record_shapes")
-    with _seeded():
+    require_function(record_shapes, "record_shapes")
+    with seeded():
         cases = [
             (nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Sequential(nn.Linear(8, 3), nn.Tanh())),
              [("0", (2, 8)), ("1", (2, 8)), ("2.0", (2, 3)), ("2.1", (2, 3))],
@@ -160,7 +143,7 @@ register(Exercise(
 def _check_mlp(MLP):
     _require_module_class(MLP, "MLP")
     try:
-        with _seeded():
+        with seeded():
             model = call(MLP, [4, 8, 3], name="MLP", check_mutation=False)
     except Incorrect as exc:
         if "before Module.__init__() call" in str(exc):
@@ -325,8 +308,8 @@ class _FailingForward(nn.Module):
 
 
 def _check_predict(predict):
-    _require_function(predict, "predict")
-    with _seeded():
+    require_function(predict, "predict")
+    with seeded():
         model = _probe_model()
         x = torch.randn(8, 6)
         model.train()
@@ -447,7 +430,7 @@ class _Raising(nn.Module):
 
 def _cases() -> list[tuple[str, nn.Module, torch.Tensor, str | None]]:
     """(what it tests, model, input, the expected answer)."""
-    with _seeded(2):
+    with seeded(2):
         x = torch.randn(8, 4)
         exploding = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 3))
         with torch.no_grad():
@@ -474,7 +457,7 @@ def _cases() -> list[tuple[str, nn.Module, torch.Tensor, str | None]]:
 
 
 def _check_first_bad_layer(first_bad_layer):
-    _require_function(first_bad_layer, "first_bad_layer")
+    require_function(first_bad_layer, "first_bad_layer")
     for what, model, x, expected in _cases():
         got = call(first_bad_layer, model, x, name="first_bad_layer", check_mutation=False)
         left = _hooks_left(model)

@@ -12,10 +12,8 @@ and never leave a `SimulatedGPU` active, so a check leaves the notebook's state 
 """
 from __future__ import annotations
 
-import contextlib
 import math
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -23,27 +21,12 @@ from torch import nn
 
 from ..i18n import N_, _
 from ..memory import SimulatedGPU, format_bytes
-from .core import Exercise, Incorrect, Mistake, call, describe, register
-
-
-@contextlib.contextmanager
-def _seeded(seed: int = 0) -> Iterator[None]:
-    """A private CPU random state: deterministic checks that do not disturb the learner's RNG."""
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        yield
-
-
-def _require_function(answer: Any, name: str) -> Callable:
-    if isinstance(answer, type) or not callable(answer):
-        raise Incorrect(_("{name} should be a function (written with `def {name}(...)`), got {value}").format(
-            name=name, value=describe(answer)))
-    return answer
+from .core import Exercise, Incorrect, Mistake, call, describe, register, require_function, seeded
 
 
 def _mlp(width: int = 64, depth: int = 3, inputs: int = 32, seed: int = 0) -> nn.Sequential:
     """A small ReLU MLP (inputs -> width x depth -> 10) without BatchNorm: micro-batches give the same update."""
-    with _seeded(seed):
+    with seeded(seed):
         layers: list[nn.Module] = [nn.Linear(inputs, width), nn.ReLU()]
         for _layer in range(depth - 1):
             layers += [nn.Linear(width, width), nn.ReLU()]
@@ -52,7 +35,7 @@ def _mlp(width: int = 64, depth: int = 3, inputs: int = 32, seed: int = 0) -> nn
 
 
 def _data(n: int, inputs: int = 32, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-    with _seeded(seed):
+    with seeded(seed):
         return torch.randn(n, inputs), torch.randint(0, 10, (n,))
 
 
@@ -105,7 +88,7 @@ def _measured_state_bytes(case: int, opt_name: str) -> int:
     key = (case, opt_name)
     if key not in _MEASURED:
         _label, make, shape = _state_cases()[case]
-        with _seeded(5):
+        with seeded(5):
             model = make()
             opt = _OPTIMIZERS[opt_name](model.parameters())
             x, y = torch.rand(2, *shape), torch.randint(0, 10, (2,))
@@ -118,10 +101,10 @@ def _measured_state_bytes(case: int, opt_name: str) -> int:
 
 
 def _check_training_state_bytes(training_state_bytes):
-    _require_function(training_state_bytes, "training_state_bytes")
+    require_function(training_state_bytes, "training_state_bytes")
     for case, (label, make, _shape) in enumerate(_state_cases()):
         for opt_name in _OPTIMIZERS:
-            with _seeded(5):
+            with seeded(5):
                 model = make()
             got = call(training_state_bytes, model, opt_name, name="training_state_bytes")
             if isinstance(got, torch.Tensor) or isinstance(got, bool) or not isinstance(got, (int, float)) \
@@ -213,7 +196,7 @@ def _oom_cases() -> list[tuple[dict, str]]:
 
 
 def _check_diagnose(diagnose):
-    _require_function(diagnose, "diagnose")
+    require_function(diagnose, "diagnose")
     for oom, expected in _oom_cases():
         got = call(diagnose, dict(oom), name="diagnose", check_mutation=False)
         if not isinstance(got, str):
@@ -333,7 +316,7 @@ def _budget_between(fits: int, fails: int) -> int:
 
 
 def _check_survive(survive):
-    _require_function(survive, "survive")
+    require_function(survive, "survive")
     *_unused, x, y = _survive_setup()
     oracle, oracle_opt, *_unused = _survive_setup()
     train_in_parts(oracle, oracle_opt, x, y, 1)  # the full-batch update, no memory limit
@@ -437,7 +420,7 @@ def _leak_budget() -> int:
 
 
 def _check_clean_epoch(clean_epoch):
-    _require_function(clean_epoch, "clean_epoch")
+    require_function(clean_epoch, "clean_epoch")
     budget = _leak_budget()
     model, opt, batches = _leak_setup()
     oracle, oracle_opt, _batches = _leak_setup()
@@ -572,7 +555,7 @@ def _max_batch_cases() -> list[tuple[int, int, int]]:
 
 
 def _check_max_batch_size(max_batch_size):
-    _require_function(max_batch_size, "max_batch_size")
+    require_function(max_batch_size, "max_batch_size")
     for fixed, per, budget in _max_batch_cases():
         expected = max(0, (budget - fixed) // per)
         got = call(max_batch_size, _affine(fixed, per), budget, name="max_batch_size", check_mutation=False)
@@ -657,7 +640,7 @@ def _group_updates(batches, k: int, divide: Callable[[int], float], last: bool =
 
 
 def _check_accumulate(accumulate):
-    _require_function(accumulate, "accumulate")
+    require_function(accumulate, "accumulate")
     k = 3
     model, opt, batches = _accumulation_setup()
     start = [p.detach().clone() for p in model.parameters()]
@@ -767,7 +750,7 @@ _FIT_RULES = [  # (a rule a learner may write, its feedback)
 
 
 def _check_will_fit(will_fit):
-    _require_function(will_fit, "will_fit")
+    require_function(will_fit, "will_fit")
     cases = []
     for est in _fit_estimates():
         needed = est.total - est.parameters - est.batch

@@ -12,7 +12,6 @@ only, and restore any global setting they touch, so a check leaves the notebook'
 """
 from __future__ import annotations
 
-import contextlib
 import copy
 import math
 from collections.abc import Callable
@@ -24,24 +23,10 @@ from torch import nn
 
 from ..amp import OpDtypes, underflow_fraction
 from ..i18n import N_, _
-from .core import AnswerTimeout, Exercise, Incorrect, Mistake, NotAttempted, _short, call, describe, register
+from .core import (AnswerTimeout, Exercise, Incorrect, Mistake, NotAttempted, _short, call, describe, register,
+                   require_function, seeded)
 
 _LOW = (torch.bfloat16, torch.float16)
-
-
-@contextlib.contextmanager
-def _seeded(seed: int = 0):
-    """A private CPU random state: deterministic checks that do not disturb the learner's RNG."""
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        yield
-
-
-def _require_function(answer: Any, name: str) -> Callable:
-    if isinstance(answer, type) or not callable(answer):
-        raise Incorrect(_("{name} should be a function (written with `def {name}(...)`), got {value}").format(
-            name=name, value=describe(answer)))
-    return answer
 
 
 def _as_number(value: Any, label: str) -> float:
@@ -105,7 +90,7 @@ def _check_tables() -> list[tuple[str, dict[str, OpDtypes]]]:
 
 
 def _check_autocast_roles(autocast_roles):
-    _require_function(autocast_roles, "autocast_roles")
+    require_function(autocast_roles, "autocast_roles")
     for label, table in _check_tables():
         label = _(label)
         got = call(autocast_roles, table, name="autocast_roles")
@@ -195,7 +180,7 @@ register(Exercise(
 
 def _gradient_like() -> torch.Tensor:
     """Magnitudes spread evenly over 1e-12 .. 1 (log scale), random signs, and a block of exact zeros."""
-    with _seeded(6):
+    with seeded(6):
         mags = torch.logspace(-12, 0, 1200)
         signs = torch.where(torch.rand(1200) < 0.5, -1.0, 1.0)
         values = torch.cat([mags * signs, torch.zeros(600)])
@@ -203,7 +188,7 @@ def _gradient_like() -> torch.Tensor:
 
 
 def _check_flushed_fraction(flushed_fraction):
-    _require_function(flushed_fraction, "flushed_fraction")
+    require_function(flushed_fraction, "flushed_fraction")
     grads = _gradient_like()
     nonzero = int((grads != 0).sum())
     for scale in (1.0, 2.0 ** 10, 2.0 ** 16):
@@ -320,8 +305,8 @@ def _run_learner_step(fp16_step, model, optimizer, scaler, x, y, label: str):
 
 
 def _check_fp16_step(fp16_step):
-    _require_function(fp16_step, "fp16_step")
-    with _seeded(3):
+    require_function(fp16_step, "fp16_step")
+    with seeded(3):
         base = _tiny_model()
         x, y = torch.randn(8, 6), torch.randint(0, 3, (8,))
         x2, y2 = torch.randn(8, 6), torch.randint(0, 3, (8,))
@@ -474,7 +459,7 @@ def _enter(cm: Any, label: str, probe: bool) -> str | None:
 
 
 def _check_matmul_precision(matmul_precision):
-    _require_function(matmul_precision, "matmul_precision")
+    require_function(matmul_precision, "matmul_precision")
     try:
         original = torch.get_float32_matmul_precision()
     except RuntimeError:
@@ -575,7 +560,7 @@ class _TooManyPeaks(Exception):
 
 def _wide_mlp() -> tuple[nn.Module, torch.optim.Optimizer]:
     """The notebook's parameter-heavy model: three 1024-wide linear layers, plain SGD."""
-    with _seeded(0):
+    with seeded(0):
         net = nn.Sequential(nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 10))
     return net, torch.optim.SGD(net.parameters(), lr=0.01)
 
@@ -596,7 +581,7 @@ def _measured_peaks(net, opt, batch: int) -> tuple[int, int]:
 
     peaks = []
     for amp in (False, True):
-        with _seeded(1):
+        with seeded(1):
             x, y = torch.randn(batch, 1024), torch.randint(0, 10, (batch,))
         model, optimizer = copy.deepcopy((net, opt))
         with SimulatedGPU("64GiB", model=model, optimizer=optimizer) as gpu:
@@ -623,7 +608,7 @@ def _first_saving(peaks: _Peaks, max_batch: int) -> int | None:
 def _check_break_even(amp_break_even):
     from ..memory import format_bytes
 
-    _require_function(amp_break_even, "amp_break_even")
+    require_function(amp_break_even, "amp_break_even")
     net, opt = _wide_mlp()
     scenarios = [
         # (what, fp32 peak, autocast peak, max_batch): the optimizer step sets both peaks for small batches,

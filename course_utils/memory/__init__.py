@@ -20,7 +20,7 @@
 Importing this module touches no device and starts nothing.
 """
 from .batch_size import BatchSizeSearch, Trial, find_max_batch_size
-from .checkpointing import Checkpointed, checkpoint_sequential_blocks, checkpointed
+from .recompute import Checkpointed, checkpoint_sequential_blocks, checkpointed
 from .estimate import MemoryEstimate, estimate_training_memory
 from .limit import limit_gpu_memory
 from .oom import OOM_MESSAGES, FreeMemoryReport, free_memory, is_oom_error

@@ -12,7 +12,7 @@ Importing this package starts nothing, initialises neither CUDA nor NVML and imp
 that happens when a monitor is created or started.
 """
 from .host import CgroupLimits, HostSource, read_cgroup_limits
-from .nvml import NvmlSource
+from .nvml_source import NvmlSource
 from .panel import DeviceMonitor
 from .progress import TrainingProgress
 from .sampler import Sampler

@@ -5,7 +5,7 @@ import time
 
 from ..i18n import N_, _
 from .host import HostSource
-from .nvml import NvmlSource
+from .nvml_source import NvmlSource
 from .stats import Snapshot, Source
 from .torch_source import TorchSource
 

@@ -1,4 +1,6 @@
-"""Activation checkpointing, always with `use_reentrant=False`."""
+"""Activation checkpointing: recompute activations in the backward pass instead of keeping them (PyTorch calls it
+checkpointing; this module is named for what it does, apart from `course_utils.checkpoint`, the checkpoint files).
+Always with `use_reentrant=False`."""
 from __future__ import annotations
 
 from collections.abc import Sequence
