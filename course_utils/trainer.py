@@ -34,7 +34,8 @@ from .i18n import _
 __all__ = ["Callback", "CheckpointError", "NonFiniteLossError", "StopTraining", "Trainer", "move_batch",
            "read_checkpoint"]
 
-GO_ON, STOP, INTERRUPT = 0, 1, 2  # what a rank wishes after a step; the largest wish over ranks wins
+# what a rank wishes after a step; the largest wish over ranks wins (a SIGTERM on one rank preempts them all)
+GO_ON, STOP, INTERRUPT, TERMINATE = 0, 1, 2, 3
 
 
 def read_checkpoint(path, map_location=None) -> dict:
@@ -157,6 +158,8 @@ class Trainer:
         self.batch_in_epoch = 0      # batches of the current epoch trained on
         self.position: EpochPosition | None = None  # where an interrupted epoch stopped
         self.interrupted = False
+        self._interrupt = DeferredStop()  # the current call's (never entered outside a call: never requested)
+        self._preempted = False           # a SIGTERM on some rank: this call ends with SystemExit(143)
         self.stop_reason: str | None = None
         self.epochs_this_call = 0
         self._requested: str | None = None  # a StopTraining raised on this rank, acted on at the step boundary
@@ -207,8 +210,9 @@ class Trainer:
                     self._requested = _reason(exc)
 
     def _wish(self, interrupt) -> int:
-        """This rank's wish after a step: the largest of Ctrl-C/SIGTERM (INTERRUPT) and StopTraining (STOP)."""
-        return max(INTERRUPT * interrupt.requested, STOP * (self._requested is not None))
+        """This rank's wish after a step: the largest of SIGTERM (TERMINATE), Ctrl-C (INTERRUPT) and StopTraining
+        (STOP)."""
+        return max(TERMINATE * interrupt.terminated, INTERRUPT * interrupt.requested, STOP * (self._requested is not None))
 
     def _agreed_reason(self) -> str:
         """The reason of the StopTraining every rank agreed on (raised on this rank or another): a collective,
@@ -219,10 +223,11 @@ class Trainer:
     def _stop_between_epochs(self, fns: list, *args) -> bool:
         """Run the hooks of a point between epochs; True (stop_reason set) if any rank raised StopTraining."""
         self._emit(fns, *args)
-        wish = self._vote.settle(STOP if self._requested is not None else GO_ON)  # once an epoch: a round trip
+        wish = self._vote.settle(self._wish(self._interrupt))  # once an epoch: a round trip
         if wish == GO_ON:
             return False
-        self.stop_reason = self._agreed_reason()
+        self._preempted = wish == TERMINATE  # a SIGTERM on any rank: every rank saves and exits with 143
+        self.stop_reason = self._agreed_reason() if wish == STOP else None
         self._requested = None
         return True
 
@@ -274,6 +279,7 @@ class Trainer:
             self._raise_non_finite(loss_sum)
         if wish == STOP:
             self.stop_reason = self._agreed_reason()
+        self._preempted = wish == TERMINATE  # a SIGTERM on any rank: every rank saves and exits with 143
         self._requested = None
         self.position = EpochPosition(self.batch_in_epoch, self._samples, loss_sum, ckpt.rng_state(),
                                       self._loader.state_dict(self.batch_in_epoch, finished))
@@ -344,7 +350,8 @@ class Trainer:
         self._requested = None
         self.epochs_this_call = epochs
         hooks = self._connect()
-        interrupt = DeferredStop()
+        interrupt = self._interrupt = DeferredStop()
+        self._preempted = False
         try:
             if self._stop_between_epochs(hooks["on_train_start"]):
                 self._stopped_early(between_epochs=True)
@@ -369,14 +376,17 @@ class Trainer:
                     self.batch_in_epoch = 0
                     self._losses = []
                     if self._stop_between_epochs(hooks["on_epoch_end"], logs):
-                        if self.is_main:
+                        if self.stop_reason is None:  # a Ctrl-C or SIGTERM during the epoch's end
+                            self._stopped_early(between_epochs=True)
+                        elif self.is_main:
                             print(_("Training stopped after epoch {epoch}: {reason}.").format(
                                 epoch=self.epoch, reason=self.stop_reason))
                         break
         finally:
             self._emit(hooks["on_train_end"])
             self._requested = None
-        if interrupt.terminated:  # preempted: the state is saved (with a Checkpoint); leave with SIGTERM's status
+        if interrupt.terminated or self._preempted:  # preempted (a SIGTERM here or on another rank): the state is
+            # saved (with a Checkpoint); leave with SIGTERM's status
             if self.is_main:
                 print(_("Stopped by SIGTERM at {where}; exiting with status {status}.").format(
                     where=self.where(), status=PREEMPTED_EXIT), flush=True)
@@ -509,7 +519,7 @@ class Trainer:
         else:  # between epochs, or a periodic save while training (the running sum: read once per save)
             loss_ok = not self.at_step_boundary or self.precision.scaler is not None \
                 or math.isfinite(self._loss_sum.item())
-        if weights_ok and loss_ok:
+        if not self.process.agree(not (weights_ok and loss_ok)):  # every rank saves, or none (a round trip)
             return
         what = _("the weights") if not weights_ok else _("the loss of the interrupted epoch")
         raise NonFiniteLossError(_("not saving '{name}': {what} are not finite (inf or nan), and a checkpoint must "

@@ -13,6 +13,7 @@ rank), so a resume is only exact if every rank gets its own random state back.
 import json
 import math
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -58,6 +59,17 @@ class Rank1Stops(Callback):
     def on_epoch_end(self, trainer, logs):
         if self.at is None and trainer.process.rank == 1 and trainer.epoch == 1:
             raise StopTraining("rank 1 asked at an epoch end")
+
+
+class Rank1Preempted(Callback):
+    """Rank 1 alone gets a SIGTERM (a scheduler preempting one node) after its batch `at`."""
+
+    def __init__(self, at):
+        self.at = at
+
+    def on_batch_end(self, trainer, loss):
+        if trainer.process.rank == 1 and trainer.batches_trained == self.at:
+            os.kill(os.getpid(), signal.SIGTERM)
 
 
 class Slow(Callback):
@@ -120,6 +132,15 @@ def main(mode, folder):
         t(EPOCHS)
         out["adaptive"] = distributed.gather_objects({"every": t._vote.every, "batches": t.batches_trained,
                                                       "reason": t.stop_reason}, t.process)
+    if mode == "first":
+        # a SIGTERM that reaches rank 1 only: every rank stops at the same step, saves, and exits with 143
+        t = trainer("tensor", callbacks=[Rank1Preempted(at=27)], checkpoint=folder / "preempted.pt")
+        try:
+            t(EPOCHS)
+            code = None
+        except SystemExit as exc:
+            code = exc.code
+        out["preempted"] = distributed.gather_objects({"code": code, "batches": t.batches_trained}, t.process)
     if distributed.Process.from_environment().rank == 0:
         (folder / f"{mode}.json").write_text(json.dumps(out, indent=1))
 
