@@ -181,7 +181,7 @@ def setup(device_type: str | None = None) -> "Process | None":
     Returns None when the script was not launched as several processes.
     """
     process = Process.from_environment()
-    if process is None or process.world_size == 1 or process.world_size == 1 or process.world_size == 1:
+    if process is None:
         return None
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", process.world_size))
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -302,7 +302,7 @@ def _shard_stream(loader: DataLoader, process: Process) -> DataLoader:
 
 def all_sum(values: torch.Tensor, process: Process | None) -> torch.Tensor:
     """`values` summed over all ranks (the same result on every rank); unchanged outside a distributed run."""
-    if process is None:
+    if process is None or process.world_size == 1:
         return values
     values = values.clone()
     dist.all_reduce(values, op=dist.ReduceOp.SUM)
