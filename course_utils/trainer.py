@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import math
+import weakref
 from pathlib import Path
 
 import torch
@@ -194,8 +195,16 @@ class Trainer:
         for cb in ordered:
             warn_unknown_hooks(cb)
         hooks = {name: [getattr(cb, name) for cb in ordered if overridden(cb, name)] for name in HOOKS}
-        self.train_step.connect(after_backward=lambda: self._emit(hooks["on_after_backward"]),
-                                before_optimizer_step=lambda: self._emit(hooks["on_before_optimizer_step"]))
+        # The step calls back through a weak reference: no cycle trainer -> step -> trainer, so a trainer dropped
+        # is freed at once, with its loader's workers (in a cycle they would wait for the garbage collector, whose
+        # DataLoader shutdown then waits 5 s a worker).
+        me = weakref.ref(self)
+
+        def caller(fns):
+            return (lambda: me()._emit(fns)) if fns else None  # no hook: the step calls nothing
+
+        self.train_step.connect(after_backward=caller(hooks["on_after_backward"]),
+                                before_optimizer_step=caller(hooks["on_before_optimizer_step"]))
         self._hooks = hooks
         return hooks
 

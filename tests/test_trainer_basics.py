@@ -180,3 +180,53 @@ def test_a_plain_step_passes_at_most_five_branches_on_how_the_trainer_was_built(
     assert _branches_per_step(maker(grad_clip=1.0), **skip) == plain  # clipping or not: chosen once
     # the count sees what a step does test: the OOM-resilient step asks about its chunk size every step
     assert sum(_branches_per_step(maker(oom_recovery=True), **skip).values()) > sum(plain.values())
+
+
+class StopMidEpoch(Callback):
+    def on_batch_end(self, trainer, loss):
+        if trainer.batches_trained == 2:
+            from course_utils.callbacks import StopTraining
+            raise StopTraining("mid-epoch")
+
+    def on_after_backward(self, trainer):  # a hook the step itself calls back
+        pass
+
+
+@pytest.mark.parametrize("options", [{}, {"oom_recovery": True}, {"accumulate": 2, "grad_clip": 1.0},
+                                     {"mixed_precision": "bf16"}, {"checkpoint": "run.pt", "val": True}])
+def test_a_dropped_trainer_is_freed_at_once_with_its_loaders_workers(tmp_path, options, capsys):
+    """No reference cycle through the trainer: dropping it frees it (and its DataLoader's persistent workers) at
+    once. In a cycle, the garbage collector would free it at some later moment, and a DataLoader iterator freed
+    inside a cycle waits 5 s for each worker (its queues are closed before it can tell them to stop)."""
+    import gc
+    import weakref
+
+    from torch.utils.data import DataLoader, TensorDataset
+
+    options = dict(options)
+    if "checkpoint" in options:
+        options["checkpoint"] = tmp_path / options["checkpoint"]
+    val = options.pop("val", False)
+    torch.manual_seed(0)
+    data = TensorDataset(torch.randn(64, 1, 28, 28), torch.randint(0, 10, (64,)))
+    loader = DataLoader(data, batch_size=16, num_workers=1, persistent_workers=True)
+    model = SimpleCNN()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    gc.collect()
+    gc.disable()
+    try:
+        trainer = Trainer(model, opt, nn.CrossEntropyLoss(), loader, device="cpu", callbacks=[StopMidEpoch()],
+                          val_loader=TensorLoader(data.tensors[0][:16], data.tensors[1][:16], batch_size=16) if val
+                          else None, **options)
+        trainer(1)   # stops after 2 batches, its epoch's iterator (with the worker) kept for the resume
+        trainer(1)
+        workers = list(loader._iterator._workers)
+        assert workers and all(w.is_alive() for w in workers)
+        freed = weakref.ref(trainer)
+        del trainer, loader
+        assert freed() is None, [type(r).__name__ for r in gc.get_referrers(freed())]
+        for w in workers:
+            w.join(timeout=5)
+        assert not any(w.is_alive() for w in workers)
+    finally:
+        gc.enable()
