@@ -506,16 +506,21 @@ def _relink(markdown: str) -> str:
 
 
 def with_language_line(source: str) -> str:
-    """The cell with FIRST_CELL_LINES after its leading imports (so the imports stay at the top of the cell)."""
+    """The cell with FIRST_CELL_LINES after its leading imports and environment settings (so the imports stay at the
+    top of the cell, and an environment variable set for torch is set before `course_utils` imports torch)."""
     import ast
 
     try:
         body = ast.parse(_masked(source)).body
     except SyntaxError:
         body = []
+    def sets_environment(node) -> bool:  # os.environ.setdefault(...) or os.environ[...] = ...: before torch loads
+        text = ast.unparse(node)
+        return isinstance(node, (ast.Expr, ast.Assign)) and text.startswith("os.environ")
+
     end = 0
     for node in body:
-        if not isinstance(node, (ast.Import, ast.ImportFrom)):
+        if not isinstance(node, (ast.Import, ast.ImportFrom)) and not sets_environment(node):
             break
         end = node.end_lineno
     lines = source.splitlines(keepends=True)

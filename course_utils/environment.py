@@ -17,6 +17,7 @@ import torch
 from . import nvml as nvml_reader
 from .i18n import _
 from .device import get_device, mps_available
+from .threads import CpuUse, cpu_use
 
 __all__ = [
     "MIN_DRIVER_BRANCH", "EnvironmentReport", "NvmlInfo", "Step", "TorchInfo", "build_supports_gpu",
@@ -279,6 +280,17 @@ class EnvironmentReport:
         return str(self)
 
 
+def cpu_load_line(use: CpuUse) -> str:
+    """One line on what other processes do to this course's timings (notebook 04 explains why)."""
+    if use.others >= 0.5:
+        return _("Busy machine: other processes are using {others:.1f} of the {cpus:g} CPUs right now. Training and "
+                 "timing cells will run slower than on a quiet machine (twice as long is usual when one of two cores "
+                 "is taken) and their figures will vary more; notebook 04, section 8, shows why.").format(
+            others=use.others, cpus=use.cpus)
+    return _("Other processes are using {others:.1f} of the {cpus:g} CPUs: a quiet machine, so this course's "
+             "timings will be representative.").format(others=use.others, cpus=use.cpus)
+
+
 def describe_environment(torch_info: TorchInfo | None = None, nvml: NvmlInfo | None = None,
                          env: dict | None = None) -> EnvironmentReport:
     """Report torch build, devices, driver and CPU; diagnose when no GPU is usable."""
@@ -327,5 +339,6 @@ def describe_environment(torch_info: TorchInfo | None = None, nvml: NvmlInfo | N
             lines.append(_("  {number}. {question} {finding}").format(number=i, question=s.question, finding=s.finding))
     if not faked:
         device = get_device()  # honours COURSE_DEVICE, so the report names the device notebooks will use
+        lines.append(cpu_load_line(cpu_use(0.5)))
     lines.append(_("The course will use: {device}").format(device=device))
     return EnvironmentReport(lines, device, steps)

@@ -785,3 +785,26 @@ def test_on_a_real_gpu_torch_and_nvml_describe_the_same_device():
                             cwd=Path(__file__).resolve().parents[1])
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.stdout.startswith("ok")
+
+
+def test_panel_shows_this_kernels_cpu_beside_other_processes(counted):
+    host = FixedHost()
+    host.stats = HostStats(cpu_percent=80.0, cpu_count=2.0, cpu_limited=False, ram_used=GiB, ram_total=8 * GiB,
+                           ram_limited=False, process_rss=GiB // 4, kernel_cpu_percent=30.0)
+    monitor = DeviceMonitor(sampler=Sampler(nvml=False, torch=False, host=host), chart_interval=3600)
+    monitor.refresh()
+    texts = [state.get("value", "") for _, state in updates(counted) if isinstance(state.get("value"), str)]
+    assert any("80.0 % of 2 CPUs (this kernel 30 %, other processes 50 %)" in t for t in texts), texts
+
+
+def test_host_source_counts_this_process_and_not_a_busy_neighbour():
+    from course_utils.monitor import HostSource
+    from course_utils.threads import BusyCores
+
+    source = HostSource()
+    with BusyCores(1):
+        time.sleep(0.6)
+        sample = source.sample()
+    busy_cpus = sample.cpu_percent / 100 * sample.cpu_count
+    mine_cpus = sample.kernel_cpu_percent / 100 * sample.cpu_count
+    assert busy_cpus >= 0.6 and mine_cpus < 0.3, sample  # a whole core busy, and it is someone else's

@@ -26,3 +26,26 @@ def test_notebook_is_a_clean_fresh_run(path):
             text = "".join(out.get("text", "")) + "".join(out.get("data", {}).get("text/plain", ""))
             assert not MACHINE_PATH.search(text), f"cell {i} prints a machine path: {text[:200]!r}"
     assert counts == list(range(1, len(counts) + 1)), "execution counts must be 1..N (one fresh run)"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: str(p.relative_to(FOLDER)))
+def test_openmps_spin_is_set_before_anything_imports_torch(path):
+    """OpenMP reads GOMP_SPINCOUNT once, when torch loads it (notebook 04, section 8): the first code cell must set it
+    before its first import of torch or of course_utils (which imports torch)."""
+    import ast
+
+    cell = next(c for c in json.loads(path.read_text(encoding="utf-8"))["cells"] if c["cell_type"] == "code")
+    source = "".join(cell["source"])
+    body = ast.parse(source).body
+    names = [ast.unparse(node) for node in body]
+    setting = next((i for i, text in enumerate(names) if text.startswith("os.environ.setdefault('GOMP_SPINCOUNT'")),
+                   None)
+    assert setting is not None, f"{path.name}: the first cell does not set GOMP_SPINCOUNT"
+
+    def imports_torch(node):
+        mods = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+        return any(m.split(".")[0] in ("torch", "course_utils", "torchvision") for m in mods)
+
+    first_torch = next(i for i, node in enumerate(body) if imports_torch(node))
+    assert setting < first_torch, f"{path.name}: torch is imported (statement {first_torch}) before the setting"

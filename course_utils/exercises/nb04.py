@@ -4,7 +4,9 @@
 GPU whose work only happens when you synchronize; 04.2 an epoch's mean loss with one CPU-GPU sync,
 counted on every host read of the loss tensors; 04.3 a fair speed-up on a simulated machine whose load changes
 (alternation, warm-up, median of paired ratios); 04.4 host reads per step counted in a torch.profiler profile,
-checked on profiles of loops with known reads per step.
+checked on profiles of loops with known reads per step; 04.5 the fastest thread count, measured (set, warm up, median,
+put back also on errors), checked on steps whose speed depends on the thread count and on a real step beside a busy
+core.
 """
 from __future__ import annotations
 
@@ -556,5 +558,170 @@ register(Exercise(
                               "    return reads // steps\n"), "rounded down"),
         Mistake(_SYNCS_DOC + ("    copies = [e for e in prof.key_averages() if e.key == \"aten::copy_\"]\n"
                               "    return sum(e.count for e in copies) / steps\n"), "find it in the table"),
+    ],
+))
+
+
+# --- 04.5 the fastest thread count, measured on a busy machine -----------------------------------------------------
+
+class _ThreadedStep:
+    """A step whose time depends on torch.get_num_threads() as it runs: `ms[n]` per call, the first `slow_first`
+    calls under each count 40 ms slower (warm-up), and one outlier call of 60 ms more under `outlier`."""
+
+    def __init__(self, ms: dict[int, float], slow_first: int = 2, outlier: int | None = None, fail_at: int | None = None):
+        self.ms, self.slow_first, self.outlier, self.fail_at = ms, slow_first, outlier, fail_at
+        self.calls: dict[int, int] = {}
+
+    def __call__(self):
+        n = torch.get_num_threads()
+        k = self.calls[n] = self.calls.get(n, 0) + 1
+        if n == self.fail_at:
+            raise RuntimeError(f"out of memory with {n} threads")
+        extra = 0.040 if k <= self.slow_first else 0.0
+        if n == self.outlier and k == self.slow_first + 2:
+            extra += 0.060
+        time.sleep(self.ms.get(n, 0.010) + extra)
+
+
+def _check_fastest_threads(fastest_threads):
+    before = torch.get_num_threads()
+    try:
+        return _check_threads(fastest_threads, before)
+    finally:
+        torch.set_num_threads(before)
+
+
+def _check_threads(fastest_threads, before: int):
+    counts = (1, 2)
+    # 1 thread is faster (its first calls are slower: warm-up)
+    step = _ThreadedStep({1: 0.004, 2: 0.012}, slow_first=2)
+    step.calls.clear()
+    torch.set_num_threads(1)  # the count timed last (2) differs: the learner's function must put 1 back
+    result = call(fastest_threads, step, counts, 2, 5, name="fastest_threads", check_mutation=False)
+    if isinstance(result, bool) or not isinstance(result, int):
+        raise Incorrect(_("fastest_threads returned {value}; expected one of the thread counts it was given, "
+                          "an int").format(value=describe(result)))
+    if set(step.calls) != set(counts):
+        raise Incorrect(_("step ran under thread counts {seen}, not under each of {counts}: likely mistake: "
+                          "torch.set_num_threads(n) must be called before timing each count").format(
+            seen=sorted(step.calls), counts=list(counts)))
+    if any(step.calls[n] != 2 + 5 for n in counts):
+        raise Incorrect(_("step was called {calls} times under each count; expected warmup + repeats = 7 under "
+                          "each").format(calls=sorted(step.calls.values())))
+    if torch.get_num_threads() != 1:
+        raise Incorrect(_("after fastest_threads, torch uses {now} threads; it used 1 before the call: put the "
+                          "original count back (torch.get_num_threads() at the start), or every later cell runs "
+                          "with the count timed last").format(now=torch.get_num_threads()))
+    if result == 2:
+        raise Incorrect(_("fastest_threads returned 2, but once warmed up a step takes 4 ms with 1 thread and 12 ms "
+                          "with 2: likely mistake: the slowest count is returned; return the count with the smallest "
+                          "median"))
+    if result != 1:
+        raise Incorrect(_("fastest_threads returned {value}, not one of {counts}").format(value=result,
+                                                                                  counts=list(counts)))
+    # 2 threads faster, with one slow outlier call under 2 threads: the mean would pick 1
+    step = _ThreadedStep({1: 0.010, 2: 0.006}, slow_first=2, outlier=2)
+    torch.set_num_threads(2)
+    result = call(fastest_threads, step, counts, 2, 5, name="fastest_threads", check_mutation=False)
+    if result != 2:
+        raise Incorrect(_("fastest_threads returned {value}; with 2 threads the step takes 6 ms except one call "
+                          "slowed 60 ms by another program, with 1 thread 10 ms: likely mistake: the mean, which "
+                          "one slow call drags up; the median ignores it").format(value=describe(result)))
+    # an error in the step must reach the caller, with the thread count put back
+    torch.set_num_threads(2)
+    failing = _ThreadedStep({1: 0.002, 2: 0.002}, slow_first=0, fail_at=1)
+    try:
+        fastest_threads(failing, counts, 2, 5)
+    except RuntimeError:
+        pass
+    except Exception as exc:  # noqa: BLE001 (the learner's own error: reported)
+        raise Incorrect(_("when step raised RuntimeError, fastest_threads raised {kind} instead: let the step's "
+                          "error reach the caller").format(kind=type(exc).__name__)) from None
+    else:
+        raise Incorrect(_("step raised RuntimeError under 1 thread, but fastest_threads returned normally: the "
+                          "error must reach the caller (do not catch it)"))
+    if torch.get_num_threads() != 2:
+        raise Incorrect(_("when step raised, torch was left with {now} threads instead of the 2 it had: put the "
+                          "count back in a `finally:` block, so it is restored on errors too").format(
+            now=torch.get_num_threads()))
+    # a real step beside a busy core: whatever wins there, the answer is one of the counts and nothing is left changed
+    from ..threads import BusyCores
+
+    model = torch.nn.Linear(256, 256)
+    x = torch.randn(512, 256)
+
+    def real_step():
+        model.zero_grad(set_to_none=True)
+        model(x).square().mean().backward()
+
+    torch.set_num_threads(before)
+    with BusyCores(1):
+        real = call(fastest_threads, real_step, counts, 2, 5, name="fastest_threads", check_mutation=False)
+    if real not in counts or torch.get_num_threads() != before:
+        raise Incorrect(_("on a real step beside a busy core fastest_threads returned {value} and left {now} "
+                          "threads (expected one of {counts}, and {before} threads)").format(
+            value=describe(real), now=torch.get_num_threads(), counts=list(counts), before=before))
+    return _("measured under each count after a warm-up, the median compared, the thread count put back (also on "
+             "errors); beside a busy core, {real} thread(s) won on a real step here").format(real=real)
+
+
+_THREADS_DOC = ("def fastest_threads(step, counts=(1, 2), warmup=2, repeats=5):\n"
+                "    \"\"\"The thread count in `counts` under which step() is fastest: for each count n, set\n"
+                "    torch.set_num_threads(n), call step() `warmup` times untimed, then time `repeats` calls and take\n"
+                "    the median. Put torch's thread count back as it was, also if step() raises.\"\"\"\n")
+_THREADS_BODY = (
+    "    before = torch.get_num_threads()\n"
+    "    medians = {}\n"
+    "    try:\n"
+    "        for n in counts:\n"
+    "            torch.set_num_threads(n)\n"
+    "            for _ in range(warmup):\n"
+    "                step()\n"
+    "            times = []\n"
+    "            for _ in range(repeats):\n"
+    "                start = time.perf_counter()\n"
+    "                step()\n"
+    "                times.append(time.perf_counter() - start)\n"
+    "            medians[n] = statistics.median(times)\n"
+    "    finally:\n"
+    "        torch.set_num_threads(before)\n"
+    "    return min(medians, key=medians.get)\n")
+
+register(Exercise(
+    id="04.5", title=N_("The fastest thread count, measured"), answer="fastest_threads",
+    blank=_THREADS_DOC + "    raise NotImplementedError  # your code here\n",
+    solution=_THREADS_DOC + _THREADS_BODY,
+    setup="import os\nimport statistics\nimport time\n\nimport torch\n",
+    checker=_check_fastest_threads,
+    timeout=60.0,
+    hints=[N_("For each n: torch.set_num_threads(n), the warm-up calls, then the timed calls "
+              "(time.perf_counter() before and after each). On the CPU nothing runs asynchronously: no sync needed."),
+           N_("Keep the medians in a dict keyed by n and return min(medians, key=medians.get)."),
+           N_("before = torch.get_num_threads() first; the loop inside try:, torch.set_num_threads(before) in "
+              "finally:.")],
+    mistakes=[
+        Mistake(_THREADS_DOC + _THREADS_BODY.replace("    finally:\n        torch.set_num_threads(before)\n",
+                                                     "    finally:\n        pass\n"), "put the original count back"),
+        Mistake(_THREADS_DOC + _THREADS_BODY.replace(
+            "    try:\n", "    if True:\n").replace("    finally:\n        torch.set_num_threads(before)\n", "")
+            .replace("    return min(", "    torch.set_num_threads(before)\n    return min("), "`finally:` block"),
+        Mistake(_THREADS_DOC + _THREADS_BODY.replace("statistics.median(times)", "sum(times) / len(times)"),
+                "likely mistake: the mean"),
+        Mistake(_THREADS_DOC + _THREADS_BODY.replace(
+            "            for _ in range(warmup):\n                step()\n", ""), "warmup + repeats = 7"),
+        Mistake(_THREADS_DOC + _THREADS_BODY.replace("min(medians", "max(medians"), "the slowest count"),
+        Mistake(_THREADS_DOC + _THREADS_BODY.replace("    return min(medians, key=medians.get)\n",
+                                                     "    return min(medians.values())\n"),
+                "expected one of the thread counts"),
+        Mistake(_THREADS_DOC + _THREADS_BODY.replace("            torch.set_num_threads(n)\n", ""),
+                "torch.set_num_threads(n) must be called"),
+        Mistake(_THREADS_DOC + _THREADS_BODY.replace("        torch.set_num_threads(before)\n",
+                                                     "        torch.set_num_threads(os.cpu_count())\n"),
+                "it used 1 before the call"),
+        Mistake(_THREADS_DOC + _THREADS_BODY.replace("        for n in counts:\n",
+                                                     "        for n in counts:\n          try:\n").replace(
+            "            medians[n] = statistics.median(times)\n",
+            "            medians[n] = statistics.median(times)\n          except RuntimeError:\n"
+            "            medians[n] = float('inf')\n"), "the error must reach the caller"),
     ],
 ))

@@ -198,7 +198,8 @@ def _busy_percent(before, after) -> float:
 
 
 class HostSource:
-    """Samples CPU busy percent, RAM used/total and this process's resident memory.
+    """Samples CPU busy percent (and how much of it is this kernel's own, with its DataLoader workers), RAM
+    used/total and this process's resident memory.
 
     CPU: with a container CPU quota, the cgroup's CPU time over wall time, as a share of the quota;
     otherwise the per-CPU busy share since the previous sample, averaged over the CPUs this process may
@@ -225,6 +226,35 @@ class HostSource:
         self._cpu_asked = time.monotonic()
         self._last = (time.monotonic(), self._cgroup.cpu_usage_seconds())
         self._last_percent: float | None = None
+        self._kernel_times = (time.monotonic(), self._kernel_seconds())
+        self._kernel_percent: float | None = None
+
+    def _kernel_seconds(self) -> float | None:
+        """CPU seconds used so far by this process and its live children (DataLoader workers): what the rest of
+        the busy share is not."""
+        try:
+            procs = [self._process, *self._process.children(recursive=True)]
+        except self._psutil.Error:
+            return None
+        total = 0.0
+        for proc in procs:
+            try:
+                t = proc.cpu_times()
+            except self._psutil.Error:  # a child that just exited
+                continue
+            total += t.user + t.system
+        return total
+
+    def _kernel(self, cpu_count: float) -> float | None:
+        """This process's (and its children's) share of the CPUs since the previous sample, 0-100."""
+        now, used = time.monotonic(), self._kernel_seconds()
+        then, used_then = self._kernel_times
+        if used is not None and used_then is not None and now - then >= 0.1:
+            self._kernel_percent = min(100.0, max(0.0, (used - used_then) / (now - then) / cpu_count * 100))
+            self._kernel_times = (now, used)
+        elif used_then is None:
+            self._kernel_times = (now, used)
+        return self._kernel_percent
 
     def _cpu(self) -> tuple[float | None, float, bool]:
         quota = self._cgroup.cpu_quota()
@@ -260,6 +290,9 @@ class HostSource:
             rss = self._process.memory_info().rss
         except self._psutil.Error:
             rss = None
+        kernel = self._kernel(cpu_count)
+        if kernel is not None and cpu_percent is not None:
+            kernel = min(kernel, cpu_percent)  # two readings a moment apart: never more than the whole
         return HostStats(cpu_percent=cpu_percent, cpu_count=cpu_count, cpu_limited=cpu_limited,
                          ram_used=int(ram_used), ram_total=int(ram_total), ram_limited=ram_limited,
-                         process_rss=rss)
+                         process_rss=rss, kernel_cpu_percent=kernel)

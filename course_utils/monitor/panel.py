@@ -141,8 +141,12 @@ class DeviceMonitor:
             if limits:
                 title += _(" · container: {limits}").format(limits=_(", ").join(limits))
             set_changed(self._host_title, value=title)
-            self._host["cpu"].set(h.cpu_percent, _("n/a") if h.cpu_percent is None else
-                                  _("{percent:.1f} % of {cpus}").format(percent=h.cpu_percent, cpus=cpus))
+            cpu = _("n/a") if h.cpu_percent is None else _("{percent:.1f} % of {cpus}").format(
+                percent=h.cpu_percent, cpus=cpus)
+            if h.cpu_percent is not None and h.kernel_cpu_percent is not None:  # who is busy: this kernel or others
+                cpu += _(" (this kernel {mine:.0f} %, other processes {others:.0f} %)").format(
+                    mine=h.kernel_cpu_percent, others=h.cpu_percent - h.kernel_cpu_percent)
+            self._host["cpu"].set(h.cpu_percent, cpu)
             ram = _pct(h.ram_used, h.ram_total)
             self._host["ram"].set(ram, f"{fmt_bytes(h.ram_used)} / {fmt_bytes(h.ram_total)}", level_style(ram))
             rss = _pct(h.process_rss, h.ram_total)

@@ -51,6 +51,7 @@ class HostStats:
     ram_total: int             # bytes
     ram_limited: bool          # ram_total is a container limit, not the machine's RAM
     process_rss: int | None    # bytes resident in this process (the kernel itself)
+    kernel_cpu_percent: float | None = None  # of cpu_percent, the share used by this process and its children
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,141 @@
+"""CPU threads on a machine that is not yours alone (notebook 04).
+
+- `cpu_use(seconds)`: how many CPUs' worth this process (with its DataLoader workers) and every other process
+  used over the next `seconds`, read the way the live monitor reads it (`monitor.HostSource`).
+- `BusyCores(n)`: `n` CPU-bound processes of someone else's (a browser tab, a video call, another kernel) for as long
+  as a `with` block runs: what a learner's laptop is like.
+- `wait_policy()`: how torch's OpenMP threads wait for work in this process, from `OMP_WAIT_POLICY`.
+
+Why it matters: torch runs an operation's parallel regions on `torch.get_num_threads()` threads (one per core by
+default), and a region ends only when its slowest thread is done. When another program holds one of the cores, the
+thread on that core runs late; with OpenMP's default policy the threads that finished first spin on their cores
+waiting for it (GNU OpenMP spins up to about 300,000 times before sleeping), taking CPU time from that program, which
+then holds the core longer. With `OMP_WAIT_POLICY=PASSIVE` they sleep at once. OpenMP reads the variable once, when
+torch loads it: set it before `import torch` (each notebook's first cell does).
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+from .i18n import _
+
+__all__ = ["BusyCores", "CpuUse", "cpu_use", "wait_policy"]
+
+# A loop that holds one core; it exits by itself when the process that started it is gone (checked every 0.2 s),
+# so a kernel restarted in the middle of a cell leaves nothing running.
+_SPIN = """
+import sys, time
+import psutil
+parent = int(sys.argv[1])
+while psutil.pid_exists(parent):
+    end = time.monotonic() + 0.2
+    while time.monotonic() < end:
+        pass
+"""
+# Started through a launcher that exits at once, so the loop is not this process's child: the monitor and
+# `cpu_use` count it among the other processes, as they would a browser.
+_LAUNCH = """
+import subprocess, sys
+p = subprocess.Popen([sys.executable, "-c", sys.argv[1], sys.argv[2]], stdin=subprocess.DEVNULL,
+                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+print(p.pid, flush=True)
+"""
+
+
+@dataclass(frozen=True)
+class CpuUse:
+    """CPUs' worth used over a span: by this process and its children, and by every other process."""
+    mine: float
+    others: float
+    cpus: float  # the CPUs this process may run on
+
+    def __str__(self) -> str:
+        return _("this process {mine:.1f} of {cpus:g} CPUs, other processes {others:.1f}").format(
+            mine=self.mine, others=self.others, cpus=self.cpus)
+
+
+def cpu_use(seconds: float = 0.5) -> CpuUse:
+    """Measure for `seconds` (the call sleeps meanwhile) how busy the CPUs this process may use are, and how much of
+    that is this process's own (with its children)."""
+    from .monitor.host import HostSource
+
+    source = HostSource()  # its baseline: now
+    time.sleep(seconds)
+    host = source.sample()
+    busy = (host.cpu_percent or 0.0) / 100 * host.cpu_count
+    mine = (host.kernel_cpu_percent or 0.0) / 100 * host.cpu_count
+    return CpuUse(mine=mine, others=max(0.0, busy - mine), cpus=host.cpu_count)
+
+
+def wait_policy() -> str:
+    """'PASSIVE' (threads waiting for work sleep), 'ACTIVE' (they spin) or 'default' (they spin a while, then
+    sleep), from OMP_WAIT_POLICY as this process sees it now; OpenMP read it when torch was imported."""
+    value = os.environ.get("OMP_WAIT_POLICY", "").strip().upper()
+    return value if value in ("PASSIVE", "ACTIVE") else "default"
+
+
+class BusyCores:
+    """`with BusyCores(1): ...` runs the block beside one CPU-bound process that is not this one's child.
+
+    The processes start on entering and are killed on leaving (and end by themselves if this process dies).
+    """
+
+    def __init__(self, n: int = 1):
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ValueError(f"n must be a non-negative int, got {n!r}")
+        self.n = n
+        self.pids: list[int] = []
+
+    def __enter__(self) -> "BusyCores":
+        for _i in range(self.n):
+            out = subprocess.run([sys.executable, "-c", _LAUNCH, _SPIN, str(os.getpid())], capture_output=True,
+                                 text=True, timeout=30, check=True)
+            self.pids.append(int(out.stdout.split()[0]))
+        time.sleep(0.05)  # running, not still starting
+        return self
+
+    def __exit__(self, *exc) -> None:
+        import psutil
+
+        for pid in self.pids:
+            try:
+                proc = psutil.Process(pid)
+                proc.kill()
+                proc.wait(timeout=5)  # gone when the block's next line runs
+            except psutil.Error:  # already gone
+                pass
+        self.pids = []
+
+
+
+# What notebook 04 compares: OpenMP's settings for a fresh process (None: unset) and the thread counts timed in it.
+SETTINGS = {
+    "OpenMP's default": {"GOMP_SPINCOUNT": None, "OMP_WAIT_POLICY": None},
+    "GOMP_SPINCOUNT=10000": {"GOMP_SPINCOUNT": "10000", "OMP_WAIT_POLICY": None},
+    "OMP_WAIT_POLICY=PASSIVE": {"GOMP_SPINCOUNT": None, "OMP_WAIT_POLICY": "PASSIVE"},
+}
+
+
+def step_ms_in_fresh_process(setting: str, threads=(2,), steps: int = 10) -> dict:
+    """{"quiet": {threads: ms}, "busy": {threads: ms}}: the median SimpleCNN training step (batch 64) in a new Python
+    process started with one of `SETTINGS`, alone and beside one busy core (`course_utils.examples.thread_step`). A
+    new process, because OpenMP reads its settings once, when torch is imported."""
+    import json
+
+    env = dict(os.environ)
+    for name, value in SETTINGS[setting].items():
+        if value is None:
+            env.pop(name, None)
+        else:
+            env[name] = value
+    cmd = [sys.executable, "-m", "course_utils.examples.thread_step", "--steps", str(steps),
+           "--threads", *map(str, threads)]
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    if out.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed:\n{out.stderr[-2000:]}")
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    return {where: {int(n): ms for n, ms in figures.items()} for where, figures in result.items()}
