@@ -25,13 +25,13 @@ from .i18n import _
 
 __all__ = ["BusyCores", "CpuUse", "cpu_use", "wait_policy"]
 
-# A loop that holds one core; it exits by itself when the process that started it is gone (checked every 0.2 s),
-# so a kernel restarted in the middle of a cell leaves nothing running.
+# A loop that holds one core; it exits by itself when the process that started it is gone (checked every 0.2 s) or
+# after `seconds`, so a kernel restarted, or a cell interrupted while it starts one, leaves nothing running for long.
 _SPIN = """
 import sys, time
 import psutil
-parent = int(sys.argv[1])
-while psutil.pid_exists(parent):
+parent, deadline = int(sys.argv[1]), time.monotonic() + float(sys.argv[2])
+while psutil.pid_exists(parent) and time.monotonic() < deadline:
     end = time.monotonic() + 0.2
     while time.monotonic() < end:
         pass
@@ -40,7 +40,7 @@ while psutil.pid_exists(parent):
 # `cpu_use` count it among the other processes, as they would a browser.
 _LAUNCH = """
 import subprocess, sys
-p = subprocess.Popen([sys.executable, "-c", sys.argv[1], sys.argv[2]], stdin=subprocess.DEVNULL,
+p = subprocess.Popen([sys.executable, "-c", sys.argv[1], sys.argv[2], sys.argv[3]], stdin=subprocess.DEVNULL,
                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
 print(p.pid, flush=True)
 """
@@ -81,34 +81,49 @@ def wait_policy() -> str:
 class BusyCores:
     """`with BusyCores(1): ...` runs the block beside one CPU-bound process that is not this one's child.
 
-    The processes start on entering and are killed on leaving (and end by themselves if this process dies).
+    The processes start on entering and are killed on leaving; each also ends by itself after `seconds`, or when
+    this process is gone, so an interrupt while they start leaves nothing busy for long.
     """
 
-    def __init__(self, n: int = 1):
+    def __init__(self, n: int = 1, seconds: float = 120.0):
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:
             raise ValueError(f"n must be a non-negative int, got {n!r}")
-        self.n = n
+        self.n, self.seconds = n, seconds
         self.pids: list[int] = []
 
     def __enter__(self) -> "BusyCores":
-        for _i in range(self.n):
-            out = subprocess.run([sys.executable, "-c", _LAUNCH, _SPIN, str(os.getpid())], capture_output=True,
-                                 text=True, timeout=30, check=True)
-            self.pids.append(int(out.stdout.split()[0]))
-        time.sleep(0.05)  # running, not still starting
+        try:
+            for _i in range(self.n):
+                out = subprocess.run([sys.executable, "-c", _LAUNCH, _SPIN, str(os.getpid()), str(self.seconds)],
+                                     capture_output=True, text=True, timeout=30, check=True)
+                self.pids.append(int(out.stdout.split()[0]))
+            time.sleep(0.05)  # running, not still starting
+        except BaseException:  # an interrupt (Ctrl-C, a checker's deadline) while starting: stop what started
+            self.__exit__()
+            raise
         return self
 
     def __exit__(self, *exc) -> None:
         import psutil
 
+        procs = []
         for pid in self.pids:
             try:
                 proc = psutil.Process(pid)
                 proc.kill()
-                proc.wait(timeout=5)  # gone when the block's next line runs
+                procs.append(proc)
             except psutil.Error:  # already gone
                 pass
         self.pids = []
+        deadline = time.monotonic() + 5
+        for proc in procs:  # gone, or a zombie (not our child: its parent reaps it), before the block's next line
+            while time.monotonic() < deadline:
+                try:
+                    if proc.status() == psutil.STATUS_ZOMBIE:
+                        break
+                except psutil.Error:
+                    break
+                time.sleep(0.01)
 
 
 

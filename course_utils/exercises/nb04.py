@@ -18,7 +18,7 @@ import torch
 
 from ._sync import HostReads, on_device
 from ..i18n import N_, _
-from .core import Exercise, Incorrect, Mistake, call, describe, register
+from .core import AnswerTimeout, Exercise, Incorrect, Mistake, call, describe, register
 
 _READ_OP = "aten::_local_scalar_dense"  # every scalar read: .item(), float(), int(), bool(), formatting
 _ITEM_OP = "aten::item"                 # the op those call, which calls _READ_OP: one read, two nested events
@@ -564,12 +564,63 @@ register(Exercise(
 
 # --- 04.5 the fastest thread count, measured on a busy machine -----------------------------------------------------
 
-class _ThreadedStep:
-    """A step whose time depends on torch.get_num_threads() as it runs: `ms[n]` per call, the first `slow_first`
-    calls under each count 40 ms slower (warm-up), and one outlier call of 60 ms more under `outlier`."""
+class _Clock:
+    """The wall clock the learner's code reads during the simulated steps: it moves only while a step runs, by that
+    step's duration, so timings are exact on any machine, however busy. Its CPU clocks (process_time) never move: a
+    step that waits uses no CPU. Anything else is the real `time` module's."""
 
-    def __init__(self, ms: dict[int, float], slow_first: int = 2, outlier: int | None = None, fail_at: int | None = None):
-        self.ms, self.slow_first, self.outlier, self.fail_at = ms, slow_first, outlier, fail_at
+    def __init__(self):
+        import types
+
+        self.now = 1000.0
+        real = time
+        fake = types.ModuleType("time")
+        fake.__dict__.update({k: getattr(real, k) for k in dir(real) if not k.startswith("__")})
+        fake.perf_counter = fake.monotonic = fake.time = lambda: self.now
+        fake.perf_counter_ns = fake.monotonic_ns = fake.time_ns = lambda: int(self.now * 1e9)
+        fake.process_time = fake.thread_time = lambda: 0.0
+        fake.process_time_ns = fake.thread_time_ns = lambda: 0
+        self.module = fake
+
+    def installed_in(self, fn):
+        """Swap the clock into `fn`'s globals (the module `time` and names imported from it) for a with block."""
+        import contextlib
+
+        namespace = getattr(fn, "__globals__", None)
+        if namespace is None:  # a callable object: its __call__'s module
+            namespace = getattr(getattr(type(fn), "__call__", None), "__globals__", {})
+        real = {getattr(time, name): name for name in ("perf_counter", "monotonic", "time", "perf_counter_ns",
+                                                        "monotonic_ns", "time_ns", "process_time", "thread_time",
+                                                        "process_time_ns", "thread_time_ns")}
+        swaps = {}
+        for key, value in list(namespace.items()):
+            if value is time:
+                swaps[key] = self.module
+            elif not isinstance(value, type) and callable(value) and value in real:
+                swaps[key] = getattr(self.module, real[value])
+
+        @contextlib.contextmanager
+        def swapped():
+            before = {key: namespace[key] for key in swaps}
+            namespace.update(swaps)
+            try:
+                yield
+            finally:
+                namespace.update(before)
+
+        return swapped()
+
+
+class _ThreadedStep:
+    """A step whose time depends on torch.get_num_threads() as it runs: `ms[n]` seconds per call, the first
+    `slow_first[n]` calls under count n 40 ms slower (warm-up), and outliers: `{(n, k): seconds}` replaces the time of
+    the k-th call under count n (counted from 1). `fail_at`: raise RuntimeError under that count."""
+
+    def __init__(self, ms: dict[int, float], slow_first: dict[int, int] | None = None,
+                 outliers: dict[tuple[int, int], float] | None = None, fail_at: int | None = None,
+                 clock: _Clock | None = None):
+        self.ms, self.slow_first = ms, slow_first or {}
+        self.outliers, self.fail_at, self.clock = outliers or {}, fail_at, clock
         self.calls: dict[int, int] = {}
 
     def __call__(self):
@@ -577,10 +628,10 @@ class _ThreadedStep:
         k = self.calls[n] = self.calls.get(n, 0) + 1
         if n == self.fail_at:
             raise RuntimeError(f"out of memory with {n} threads")
-        extra = 0.040 if k <= self.slow_first else 0.0
-        if n == self.outlier and k == self.slow_first + 2:
-            extra += 0.060
-        time.sleep(self.ms.get(n, 0.010) + extra)
+        seconds = self.outliers.get((n, k), self.ms.get(n, 0.010) + (0.040 if k <= self.slow_first.get(n, 0) else 0))
+        if self.clock is not None:
+            self.clock.now += seconds  # the clock the learner's code reads
+        time.sleep(seconds)  # and the real one, for answers timing with another module (timeit, torch.utils.benchmark)
 
 
 def _check_fastest_threads(fastest_threads):
@@ -591,49 +642,103 @@ def _check_fastest_threads(fastest_threads):
         torch.set_num_threads(before)
 
 
-def _check_threads(fastest_threads, before: int):
-    counts = (1, 2)
-    # 1 thread is faster (its first calls are slower: warm-up)
-    step = _ThreadedStep({1: 0.004, 2: 0.012}, slow_first=2)
-    step.calls.clear()
-    torch.set_num_threads(1)  # the count timed last (2) differs: the learner's function must put 1 back
-    result = call(fastest_threads, step, counts, 2, 5, name="fastest_threads", check_mutation=False)
+def _run_counted(fastest_threads, step, start: int, *args, **kwargs):
+    """Call the answer with torch at `start` threads; check it ran step() warmup + repeats times under each count and
+    put `start` back."""
+    counts = list(kwargs.get("counts", args[0] if args else (1, 2)))
+    warmup, repeats = kwargs.get("warmup", args[1] if len(args) > 1 else 2), kwargs.get("repeats", 5)
+    torch.set_num_threads(start)
+    result = call(fastest_threads, step, *args, name="fastest_threads", check_mutation=False, **kwargs)
     if isinstance(result, bool) or not isinstance(result, int):
         raise Incorrect(_("fastest_threads returned {value}; expected one of the thread counts it was given, "
                           "an int").format(value=describe(result)))
-    if set(step.calls) != set(counts):
-        raise Incorrect(_("step ran under thread counts {seen}, not under each of {counts}: likely mistake: "
-                          "torch.set_num_threads(n) must be called before timing each count").format(
-            seen=sorted(step.calls), counts=list(counts)))
-    if any(step.calls[n] != 2 + 5 for n in counts):
-        raise Incorrect(_("step was called {calls} times under each count; expected warmup + repeats = 7 under "
-                          "each").format(calls=sorted(step.calls.values())))
-    if torch.get_num_threads() != 1:
-        raise Incorrect(_("after fastest_threads, torch uses {now} threads; it used 1 before the call: put the "
-                          "original count back (torch.get_num_threads() at the start), or every later cell runs "
-                          "with the count timed last").format(now=torch.get_num_threads()))
-    if result == 2:
+    missing, extra = sorted(set(counts) - set(step.calls)), sorted(set(step.calls) - set(counts))
+    if missing:
+        raise Incorrect(_("step never ran under {missing} thread(s), one of the counts {counts}: likely mistake: "
+                          "torch.set_num_threads(n) must be called for each count in `counts` before timing it").format(
+            missing=missing, counts=counts))
+    if extra:
+        raise Incorrect(_("step also ran under {extra} thread(s), which is not in {counts}: likely mistake: some calls "
+                          "(the warm-up?) run before torch.set_num_threads(n); set the count before the warm-up "
+                          "calls").format(extra=extra, counts=counts))
+    expected = warmup + repeats
+    if any(step.calls[n] != expected for n in counts):
+        if sum(step.calls.values()) == expected * len(counts):
+            raise Incorrect(_("step was called {calls} times under the counts {counts}: the warm-up ran under "
+                              "another thread count; set the count before the warm-up calls").format(
+                calls=[step.calls[n] for n in counts], counts=counts))
+        raise Incorrect(_("with warmup={warmup} and repeats={repeats}, step was called {calls} times under the "
+                          "counts {counts}; expected warmup + repeats = {expected} under each (use the arguments, "
+                          "not fixed numbers)").format(warmup=warmup, repeats=repeats,
+                                                       calls=[step.calls[n] for n in counts], counts=counts,
+                                                       expected=expected))
+    if torch.get_num_threads() != start:
+        raise Incorrect(_("after fastest_threads, torch uses {now} threads; it used {start} before the call: read "
+                          "torch.get_num_threads() at the start and put that count back, or every later cell runs "
+                          "with the count timed last").format(now=torch.get_num_threads(), start=start))
+    if result not in counts:
+        raise Incorrect(_("fastest_threads returned {value}, not one of {counts}").format(value=result, counts=counts))
+    return result
+
+
+def _check_threads(fastest_threads, before: int):
+    import inspect
+
+    try:
+        params = [(p.name, p.default) for p in inspect.signature(fastest_threads).parameters.values()]
+    except (TypeError, ValueError):
+        params = None
+    if params is not None and params != [("step", inspect.Parameter.empty), ("counts", (1, 2)), ("warmup", 2),
+                                         ("repeats", 5)]:
+        raise Incorrect(_("the signature must stay fastest_threads(step, counts=(1, 2), warmup=2, repeats=5), in "
+                          "that order and with those defaults; yours is fastest_threads{signature}").format(
+            signature=inspect.signature(fastest_threads)))
+    # The simulated steps, timed on a simulated clock (exact on any machine), then a real step.
+    clock = _Clock()
+    with clock.installed_in(fastest_threads):
+        _check_simulated(fastest_threads, clock, before)
+    return _check_real(fastest_threads, before)
+
+
+def _check_simulated(fastest_threads, clock: _Clock, before: int) -> None:
+    # 1 thread is faster once warmed up (4 ms against 12 ms); under 2 threads one call is an outlier of 0 ms, the last
+    # one timed: a minimum, or a single call, picks 2. The counts in both orders: an answer whose times measure
+    # nothing picks by order.
+    picks = {}
+    for counts in ((1, 2), (2, 1)):
+        step = _ThreadedStep({1: 0.004, 2: 0.012}, slow_first={1: 2, 2: 2}, outliers={(2, 7): 0.0}, clock=clock)
+        args = () if counts == (1, 2) else (counts,)
+        picks[counts] = _run_counted(fastest_threads, step, 3, *args)  # 3 threads before: not a count it times
+    if picks[(1, 2)] != picks[(2, 1)]:
+        raise Incorrect(_("fastest_threads returned {a} for counts (1, 2) and {b} for (2, 1): the answer follows the "
+                          "order of the counts, as if the times measured nothing: likely mistake: the clock does not "
+                          "time step(); read time.perf_counter() just before and just after each timed call "
+                          "(time.process_time() counts CPU time, and a step that waits uses none)").format(
+            a=picks[(1, 2)], b=picks[(2, 1)]))
+    if picks[(1, 2)] != 1:
         raise Incorrect(_("fastest_threads returned 2, but once warmed up a step takes 4 ms with 1 thread and 12 ms "
-                          "with 2: likely mistake: the slowest count is returned; return the count with the smallest "
-                          "median"))
-    if result != 1:
-        raise Incorrect(_("fastest_threads returned {value}, not one of {counts}").format(value=result,
-                                                                                  counts=list(counts)))
-    # 2 threads faster, with one slow outlier call under 2 threads: the mean would pick 1
-    step = _ThreadedStep({1: 0.010, 2: 0.006}, slow_first=2, outlier=2)
-    torch.set_num_threads(2)
-    result = call(fastest_threads, step, counts, 2, 5, name="fastest_threads", check_mutation=False)
+                          "with 2, except one call under 2 threads that took 0 ms: likely mistake: the slowest count "
+                          "is returned, or a figure that one call decides (the minimum, a single call); return the "
+                          "count with the smallest median"))
+    # 2 threads faster (6 ms against 10 ms); under 2 threads the warm-up is slow and one timed call is 66 ms: a mean or
+    # a maximum, or warm-up calls timed too, pick 3. Other counts and arguments, by keyword.
+    step = _ThreadedStep({2: 0.006, 3: 0.010}, slow_first={2: 3}, outliers={(2, 5): 0.066}, clock=clock)
+    result = _run_counted(fastest_threads, step, 1, counts=(2, 3), warmup=3, repeats=5)
     if result != 2:
-        raise Incorrect(_("fastest_threads returned {value}; with 2 threads the step takes 6 ms except one call "
-                          "slowed 60 ms by another program, with 1 thread 10 ms: likely mistake: the mean, which "
-                          "one slow call drags up; the median ignores it").format(value=describe(result)))
+        raise Incorrect(_("with counts=(2, 3), warmup=3, repeats=5, fastest_threads returned 3; with 2 threads a step "
+                          "takes 6 ms after 3 slow warm-up calls, except one timed call slowed to 66 ms by another "
+                          "program, with 3 threads 10 ms: likely mistake: the warm-up calls are timed too, or the "
+                          "mean (or maximum), which one slow call drags up; the median of the calls after the warm-up "
+                          "ignores it"))
     # an error in the step must reach the caller, with the thread count put back
     torch.set_num_threads(2)
-    failing = _ThreadedStep({1: 0.002, 2: 0.002}, slow_first=0, fail_at=1)
+    failing = _ThreadedStep({1: 0.002, 2: 0.002}, fail_at=1, clock=clock)
     try:
-        fastest_threads(failing, counts, 2, 5)
+        fastest_threads(failing, (1, 2), 2, 5)
     except RuntimeError:
         pass
+    except (AnswerTimeout, KeyboardInterrupt):
+        raise
     except Exception as exc:  # noqa: BLE001 (the learner's own error: reported)
         raise Incorrect(_("when step raised RuntimeError, fastest_threads raised {kind} instead: let the step's "
                           "error reach the caller").format(kind=type(exc).__name__)) from None
@@ -641,10 +746,15 @@ def _check_threads(fastest_threads, before: int):
         raise Incorrect(_("step raised RuntimeError under 1 thread, but fastest_threads returned normally: the "
                           "error must reach the caller (do not catch it)"))
     if torch.get_num_threads() != 2:
-        raise Incorrect(_("when step raised, torch was left with {now} threads instead of the 2 it had: put the "
-                          "count back in a `finally:` block, so it is restored on errors too").format(
+        raise Incorrect(_("when step raised, torch was left with {now} threads instead of the 2 it had: put the count "
+                          "read at the start back in a `finally:` block, so it is restored on errors too").format(
             now=torch.get_num_threads()))
-    # a real step beside a busy core: whatever wins there, the answer is one of the counts and nothing is left changed
+    return None
+
+
+def _check_real(fastest_threads, before: int):
+    """A real step beside a busy core: whatever wins there, the answer is one of the counts and nothing is left
+    changed."""
     from ..threads import BusyCores
 
     model = torch.nn.Linear(256, 256)
@@ -656,13 +766,13 @@ def _check_threads(fastest_threads, before: int):
 
     torch.set_num_threads(before)
     with BusyCores(1):
-        real = call(fastest_threads, real_step, counts, 2, 5, name="fastest_threads", check_mutation=False)
-    if real not in counts or torch.get_num_threads() != before:
+        real = call(fastest_threads, real_step, (1, 2), 2, 5, name="fastest_threads", check_mutation=False)
+    if real not in (1, 2) or torch.get_num_threads() != before:
         raise Incorrect(_("on a real step beside a busy core fastest_threads returned {value} and left {now} "
-                          "threads (expected one of {counts}, and {before} threads)").format(
-            value=describe(real), now=torch.get_num_threads(), counts=list(counts), before=before))
+                          "threads (expected one of [1, 2], and {before} threads)").format(
+            value=describe(real), now=torch.get_num_threads(), before=before))
     return _("measured under each count after a warm-up, the median compared, the thread count put back (also on "
-             "errors); beside a busy core, {real} thread(s) won on a real step here").format(real=real)
+             "errors); beside a busy core, {real} thread(s) won on a real step this time").format(real=real)
 
 
 _THREADS_DOC = ("def fastest_threads(step, counts=(1, 2), warmup=2, repeats=5):\n"
@@ -701,14 +811,14 @@ register(Exercise(
               "finally:.")],
     mistakes=[
         Mistake(_THREADS_DOC + _THREADS_BODY.replace("    finally:\n        torch.set_num_threads(before)\n",
-                                                     "    finally:\n        pass\n"), "put the original count back"),
+                                                     "    finally:\n        pass\n"), "it used 3 before the call"),
         Mistake(_THREADS_DOC + _THREADS_BODY.replace(
             "    try:\n", "    if True:\n").replace("    finally:\n        torch.set_num_threads(before)\n", "")
             .replace("    return min(", "    torch.set_num_threads(before)\n    return min("), "`finally:` block"),
         Mistake(_THREADS_DOC + _THREADS_BODY.replace("statistics.median(times)", "sum(times) / len(times)"),
-                "likely mistake: the mean"),
+                "or the mean"),
         Mistake(_THREADS_DOC + _THREADS_BODY.replace(
-            "            for _ in range(warmup):\n                step()\n", ""), "warmup + repeats = 7"),
+            "            for _ in range(warmup):\n                step()\n", ""), "expected warmup + repeats"),
         Mistake(_THREADS_DOC + _THREADS_BODY.replace("min(medians", "max(medians"), "the slowest count"),
         Mistake(_THREADS_DOC + _THREADS_BODY.replace("    return min(medians, key=medians.get)\n",
                                                      "    return min(medians.values())\n"),
@@ -717,11 +827,37 @@ register(Exercise(
                 "torch.set_num_threads(n) must be called"),
         Mistake(_THREADS_DOC + _THREADS_BODY.replace("        torch.set_num_threads(before)\n",
                                                      "        torch.set_num_threads(os.cpu_count())\n"),
-                "it used 1 before the call"),
+                "it used 3 before the call"),
         Mistake(_THREADS_DOC + _THREADS_BODY.replace("        for n in counts:\n",
                                                      "        for n in counts:\n          try:\n").replace(
             "            medians[n] = statistics.median(times)\n",
             "            medians[n] = statistics.median(times)\n          except RuntimeError:\n"
             "            medians[n] = float('inf')\n"), "the error must reach the caller"),
+        # written as learners write them, found by a review of the first checker:
+        Mistake(_THREADS_DOC + _THREADS_BODY.replace("range(warmup)", "range(2)").replace("range(repeats)",
+                                                                                          "range(5)"),
+                "use the arguments"),
+        Mistake(_THREADS_DOC + _THREADS_BODY.replace(
+            "            for _ in range(warmup):\n                step()\n            times = []\n"
+            "            for _ in range(repeats):\n",
+            "            times = []\n            for _ in range(warmup + repeats):\n"),
+            "warm-up calls are timed too"),
+        Mistake(_THREADS_DOC + _THREADS_BODY.replace("statistics.median(times)", "min(times)"),
+                "a figure that one call decides"),
+        Mistake(_THREADS_DOC + _THREADS_BODY.replace("time.perf_counter()", "time.process_time()"),
+                "follows the order of the counts"),
+        Mistake(_THREADS_DOC + _THREADS_BODY.replace("        torch.set_num_threads(before)\n",
+                                                     "        torch.set_num_threads(counts[0])\n"),
+                "it used 3 before the call"),
+        Mistake(_THREADS_DOC + _THREADS_BODY.replace(
+            "    before = torch.get_num_threads()\n    medians = {}\n    try:\n        for n in counts:\n",
+            "    medians = {}\n    try:\n        for n in counts:\n            before = torch.get_num_threads()\n"),
+            "read torch.get_num_threads() at the start"),
+        Mistake(_THREADS_DOC.replace("counts=(1, 2), warmup=2, repeats=5", "counts=(1, 2), repeats=5, warmup=2")
+                + _THREADS_BODY, "the signature must stay"),
+        Mistake(_THREADS_DOC + _THREADS_BODY.replace(
+            "            torch.set_num_threads(n)\n            for _ in range(warmup):\n                step()\n",
+            "            for _ in range(warmup):\n                step()\n            torch.set_num_threads(n)\n"),
+            "before the warm-up calls"),
     ],
 ))
