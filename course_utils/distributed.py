@@ -16,7 +16,7 @@ The pieces the `Trainer` uses (a plain script that builds a Trainer runs data-pa
   rank).
 - `StopVote(process)`: whether any rank wants to stop (a Ctrl-C, a SIGTERM or a callback's StopTraining that reached
   only some ranks), agreed without a blocking collective per step: an asynchronous CPU all-reduce about every
-  quarter second (at least 8 steps apart) carries the wishes, and the one posted before, long finished by then, is
+  quarter second (or every step, when steps take longer) carries the wishes, and the one posted before, long finished by then, is
   read. Every rank reads the same answers at the same step, so all ranks stop at the same step. `settle()` (at an
   epoch's end) waits for the answer.
 - `gather_objects(obj, process)`: one Python object from every rank (the random generators' states).
@@ -193,6 +193,7 @@ def setup(device_type: str | None = None) -> "Process | None":
                              "(--nproc-per-node), or train on the CPU (device='cpu', gloo) to try it out").format(
             processes=local_world, gpus=gpus))
     process.backend = "nccl" if device_type == "cuda" else "gloo"
+    _refuse_restarts_on_a_shared_store()
     if not dist.is_initialized():
         if device_type == "cuda":
             torch.cuda.set_device(process.local_rank)
@@ -206,6 +207,28 @@ def setup(device_type: str | None = None) -> "Process | None":
     # a gloo group of its own for small CPU-side agreements: they never wait behind gradients or for a GPU
     process.cpu_group = dist.new_group(backend="gloo")
     return process
+
+
+SHARED_STORE_OFF = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"  # torchrun's switch: a fresh rendezvous store per attempt
+
+
+def _refuse_restarts_on_a_shared_store() -> None:
+    """torchrun --max-restarts with its default shared store: refuse in the first attempt, with the fix.
+
+    Since torch 2.5 torchrun's c10d rendezvous shares its TCP store with the workers' process group
+    (TORCHELASTIC_USE_AGENT_STORE=True), and the store outlives a restart: the restarted workers find the
+    addresses the previous attempt's workers left there and connect to dead ports (gloo: "Connection refused", or
+    a hang in new_group; pytorch/pytorch#135712 for NCCL). With TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in the
+    launcher's environment every attempt builds a store of its own. Failing here, before any training, costs
+    nothing; failing at the first restart would lose the run that the restarts were meant to save."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and \
+            int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0:
+        raise RuntimeError(_("torchrun was asked for restarts (--max-restarts {restarts}), but it shares its "
+                             "rendezvous store with the workers, and that store outlives a restart: the restarted "
+                             "processes would connect to the addresses of the processes that died and fail. Launch "
+                             "with {switch}=1 in torchrun's environment ({switch}=1 torchrun --max-restarts "
+                             "{restarts} ...), which gives every attempt a store of its own").format(
+            restarts=os.environ["TORCHELASTIC_MAX_RESTARTS"], switch=SHARED_STORE_OFF))
 
 
 _failed = False
@@ -335,9 +358,10 @@ class StopVote:
     since the last post go out in an asynchronous all-reduce (MAX) on a CPU group of its own, and the answer of
     the post before, finished long ago, is read: no blocking round trip. A post is not free on a busy CPU (its
     thread competes with the gradient all-reduce for the cores), so the interval adapts: each post also
-    proposes how many steps fill about `seconds` (default 0.25 s, at least `every`), and from the answer on all
-    ranks use the largest proposal. All ranks make the same calls and read the same answers at the same call,
-    so they stop together: about 2 x `seconds` (at least 2 x `every` steps) after the wish. `seconds=None`
+    proposes how many steps fill about `seconds` (default 0.25 s; every step when a step takes longer), and from
+    the answer on all ranks use the largest proposal. All ranks make the same calls and read the same answers at
+    the same call, so they stop together: about 2 x `seconds` after the wish, or 2 steps when steps are slower (a
+    SIGTERM's save then lands within torchrun's --shutdown-timeout grace period unless a step takes that long). `seconds=None`
     keeps `every` fixed (the environment variable COURSE_STOP_VOTE_SECONDS=0 does the same, for tests that
     need the stop at a known step). In one process `Alone` stands in: a wish is its own answer, at once.
     """
@@ -349,7 +373,7 @@ class StopVote:
             seconds = float(os.environ.get(ENV_VOTE_SECONDS, "0.25"))
         self.process = process
         self.every = every
-        self.least = every
+        self.least = 1 if seconds and seconds > 0 else every  # slow steps: a vote every step
         self.seconds = seconds if seconds and seconds > 0 else None
         self._left = every    # calls until the next post
         self._wish = 0        # the largest wish made since the last post

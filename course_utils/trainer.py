@@ -108,9 +108,9 @@ class Trainer:
     checkpoints (`trainer.is_main`), with every rank's random and loader state, so a resume in a new torchrun
     continues each rank exactly. A stop wished on any rank (Ctrl-C, StopTraining, at a step or at an epoch's end)
     stops every rank at the same step, with its reason; agreeing costs no blocking round trip per step
-    (`distributed.StopVote`: a small asynchronous all-reduce about every quarter second, at least 8 steps apart), so
-    all ranks stop together within about half a second of the wish (16 steps where steps take longer than 30 ms),
-    or at the epoch's end.
+    (`distributed.StopVote`: a small asynchronous all-reduce about every quarter second, or every step when steps
+    take longer), so all ranks stop together within about half a second of the wish (2 steps where steps take
+    longer than a quarter second), or at the epoch's end.
     `sync_batchnorm=True` converts BatchNorm layers to SyncBatchNorm (GPUs only).
     """
 

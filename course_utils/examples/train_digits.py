@@ -9,14 +9,23 @@ model in DistributedDataParallel and gives each process its share of every epoch
 (PyTorch's convention): with N processes one optimizer step sees N x batch-size samples, so the same
 `--batch-size` trains with an N times larger global batch (scale the learning rate or pass batch-size / N to keep
 the single-process run's updates). Rank 0 prints and writes the checkpoint; every rank can resume from it.
+
+When a process dies (notebook 08, "When a process dies"): with `--checkpoint run.pt --checkpoint-every 50 --resume`
+the same command serves the first launch and every restart, so `torchrun --max-restarts 3 ...` recovers from a
+killed rank by itself, losing at most the steps since the last save. `--kill-at-step K` makes a failure to practise
+on: in the first attempt (torchrun's TORCHELASTIC_RESTART_COUNT is 0) the last rank SIGKILLs itself, with no
+warning and nothing saved, right after optimizer step K, as the kernel's OOM killer or a lost node would end it.
 """
 from __future__ import annotations
 
 import argparse
+import os
+import signal
 
 import torch
 from torch import nn
 
+from course_utils.callbacks import Callback, Checkpoint
 from course_utils.data import TensorLoader, synthetic_digits
 from course_utils.i18n import _
 from course_utils.models import SimpleCNN
@@ -31,7 +40,23 @@ def build_model(kind: str) -> nn.Module:
     raise ValueError(f"unknown model {kind!r}")
 
 
-def main(argv=None) -> Trainer:
+class KillAtStep(Callback):
+    """The last rank SIGKILLs itself after optimizer step `step`, in torchrun's first attempt only."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_batch_end(self, trainer, loss):
+        first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+        if (first_attempt and trainer.at_step_boundary and trainer.optimizer_steps == self.step
+                and trainer.process.rank == trainer.process.world_size - 1):
+            print(_("rank {rank}: killed (SIGKILL) after step {step}").format(
+                rank=trainer.process.rank, step=self.step), flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def main(argv=None, callbacks=()) -> Trainer:
+    """Parse `argv` (default: the command line), train, and return the Trainer; `callbacks` are added to its own."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--batch-size", type=int, default=64, help="per process")
@@ -41,7 +66,11 @@ def main(argv=None) -> Trainer:
     parser.add_argument("--accumulate", type=int, default=1)
     parser.add_argument("--device", default=None, help="cpu, cuda, mps (default: the best available)")
     parser.add_argument("--checkpoint", default=None, help="save the full state here after every epoch")
-    parser.add_argument("--resume", action="store_true", help="continue from --checkpoint")
+    parser.add_argument("--checkpoint-every", type=int, default=None, help="also save every N optimizer steps")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue from --checkpoint if it exists, else start fresh (the same command restarts)")
+    parser.add_argument("--kill-at-step", type=int, default=None,
+                        help="the last rank SIGKILLs itself after this step, in the first attempt (a failure to try)")
     parser.add_argument("--save-weights", default=None, help="write the final weights here (rank 0)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
@@ -51,10 +80,13 @@ def main(argv=None) -> Trainer:
     model = build_model(args.model)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     loader = TensorLoader.from_dataset(data, batch_size=args.batch_size, seed=args.seed)
+    callbacks = list(callbacks) + ([] if args.kill_at_step is None else [KillAtStep(args.kill_at_step)])
+    if args.checkpoint is not None:
+        callbacks.append(Checkpoint(args.checkpoint, every_n_steps=args.checkpoint_every))
+    elif args.checkpoint_every is not None or args.resume:
+        parser.error("--checkpoint-every and --resume need --checkpoint")
     trainer = Trainer(model, optimizer, nn.CrossEntropyLoss(), loader, device=args.device,
-                      accumulate=args.accumulate, checkpoint=args.checkpoint)
-    if args.resume:
-        trainer.load_checkpoint(args.checkpoint)
+                      accumulate=args.accumulate, callbacks=callbacks, resume=args.resume)
     world = trainer.process.world_size
     if trainer.is_main:
         # Notebook 08 and the tests look for "2 process(es)", "global batch 64" and lines "epoch N: ... LOSS" (the loss

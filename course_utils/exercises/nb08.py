@@ -3,12 +3,15 @@
 08.1 shard a dataset by rank (every sample on a rank, the same count on every rank), 08.2 the learning rate of a
 configuration (global batch, linear scaling, warm-up), 08.3 which snippets make the replicas drift apart (the key is
 checked for real on 2 processes by tests/test_nb08_demos.py), 08.4 gradient accumulation under DDP with `no_sync()`
-(checked on a process group of one process in this process, all-reduces counted with a comm hook).
+(checked on a process group of one process in this process, all-reduces counted with a comm hook), 08.5 the
+number of steps between checkpoints for a failure rate and a save's cost (Young's approximation), judged by the
+exact expected time lost (course_utils.failures, which tests/test_failures.py checks against a simulation).
 """
 from __future__ import annotations
 
 import contextlib
 import math
+import numbers
 import os
 import tempfile
 from collections import Counter
@@ -16,6 +19,7 @@ from collections import Counter
 import torch
 from torch import nn
 
+from .. import failures
 from ..i18n import N_, _
 from .core import Exercise, Incorrect, Mistake, call, describe, register
 
@@ -526,5 +530,105 @@ register(Exercise(
                 "            (loss_fn(ddp_model(x), y) * len(y) / total).backward()\n            optimizer.step()\n"
                 "    x, y = last\n    (loss_fn(ddp_model(x), y) * len(y) / total).backward()\n    optimizer.step()\n",
                 "a step per micro-batch"),
+    ],
+))
+
+
+# --- 08.5 how often to checkpoint --------------------------------------------------------------------
+
+_INTERVAL_CASES = [  # (step_s, save_s, mtbf_s)
+    (0.25, 2.0, 3 * 3600.0),   # a small model, a crash every 3 hours
+    (5.0, 120.0, 11160.0),     # a large job: a failure every 3.1 h (Llama 3's rate), a 2-minute save
+    (1.5, 60.0, 4 * 3600.0),
+    (1, 30, 86400),            # whole numbers in: a failure a day
+    (2.0, 0.01, 60.0),         # a save far cheaper than a step: the formula gives 0.55 steps
+    (3.0, 0.5, 5.0),           # 0.75 steps by the formula
+]
+_INTERVAL_TOLERANCE = 1.02  # at most 2 % more time lost than the best whole number of steps
+
+
+def _wrong_interval(k: int, step_s: float, save_s: float, mtbf_s: float) -> str:
+    """The likely mistake behind an interval that loses too much time, if it matches one; else the formula."""
+    candidates = [
+        (math.sqrt(2 * save_s * mtbf_s), _("that is the interval in seconds, sqrt(2 * save_s * mtbf_s); divide it by "
+                                           "step_s for a number of steps")),
+        (math.sqrt(save_s * mtbf_s) / step_s, _("likely sqrt(save_s * mtbf_s) without the 2: Young's minimum is at "
+                                                "sqrt(2 * save_s * mtbf_s)")),
+        (2 * save_s * mtbf_s / step_s, _("likely 2 * save_s * mtbf_s without the square root")),
+    ]
+    for value, why in candidates:
+        if abs(k - value) <= max(1.0, 0.01 * value):
+            return why
+    return _("Young's approximation: sqrt(2 * save_s * mtbf_s) seconds of training between saves, divided by "
+             "step_s for steps")
+
+
+def _check_steps_between_checkpoints(fn):
+    if not callable(fn):
+        raise Incorrect(_("steps_between_checkpoints should be a function, got {value}").format(value=describe(fn)))
+    for step_s, save_s, mtbf_s in _INTERVAL_CASES:
+        label = f"steps_between_checkpoints({step_s}, {save_s}, {mtbf_s})"
+        k = call(fn, step_s, save_s, mtbf_s, name="steps_between_checkpoints")
+        if isinstance(k, torch.Tensor) and k.dim() == 0 and not k.dtype.is_floating_point and k.dtype != torch.bool:
+            k = int(k)
+        if isinstance(k, bool) or not isinstance(k, numbers.Integral):
+            raise Incorrect(_("{label} returned {value}: return a whole number of steps, an int (round() gives "
+                              "one)").format(label=label, value=describe(k)))
+        k = int(k)
+        formula = math.sqrt(2 * save_s * mtbf_s) / step_s
+        if k < 1:
+            if formula < 1:
+                raise Incorrect(_("{label} returned {k}: here the formula gives {formula:.2f} steps (a save cheaper "
+                                  "than a step), and rounded down that is 0, which would mean never saving. Save at "
+                                  "least every step: max(1, ...)").format(label=label, k=k, formula=formula))
+            raise Incorrect(_("{label} returned {k}: the number of steps between saves is at least 1").format(
+                label=label, k=k))
+        best = failures.best_interval(step_s, save_s, mtbf_s)
+        mine = failures.lost_fraction(k, step_s, save_s, mtbf_s)
+        least = failures.lost_fraction(best, step_s, save_s, mtbf_s)
+        if mine > _INTERVAL_TOLERANCE * least:
+            raise Incorrect(_("{label} returned {k}: a save every {k} step(s) loses {mine:.2%} of the training time to "
+                              "saves and redone work; every {best} steps loses {least:.2%}. {why}").format(
+                                  label=label, k=k, mine=mine, best=best, least=least,
+                                  why=_wrong_interval(k, step_s, save_s, mtbf_s)))
+    step_s, save_s, mtbf_s = _INTERVAL_CASES[0]
+    k = int(call(fn, step_s, save_s, mtbf_s, name="steps_between_checkpoints"))
+    work = int(20 * mtbf_s / step_s)  # 60 hours of training: some 20 failures a job
+    simulated = failures.simulated_lost_fraction(k, step_s, save_s, mtbf_s, work, runs=100, seed=0)
+    return _("every interval within 2% of the least time lost. A check by simulation: 100 jobs of 60 hours with "
+             "failures at random, a save every {k} steps, lost {simulated:.2%} of the time (the formula: "
+             "{exact:.2%})").format(k=k, simulated=simulated,
+                                    exact=failures.lost_fraction(k, step_s, save_s, mtbf_s, work_steps=work))
+
+
+_INTERVAL_HEAD = "def steps_between_checkpoints(step_s, save_s, mtbf_s):\n"
+
+register(Exercise(
+    id="08.5", title=N_("How often to checkpoint"), answer="steps_between_checkpoints",
+    blank=_INTERVAL_HEAD + "    raise NotImplementedError  # your code here\n",
+    solution=_INTERVAL_HEAD + (
+        "    tau = math.sqrt(2 * save_s * mtbf_s)  # seconds of training between saves (Young)\n"
+        "    return max(1, round(tau / step_s))  # whole steps, at least one\n"),
+    setup="import math\n",
+    checker=_check_steps_between_checkpoints,
+    hints=[N_("Saving every tau seconds of training costs save_s per tau; a failure loses on average half an "
+              "interval, tau / 2, once per mtbf_s. The sum save_s / tau + tau / (2 * mtbf_s) is least at tau = "
+              "sqrt(2 * save_s * mtbf_s)."),
+           N_("tau is in seconds; a step takes step_s seconds: tau / step_s steps, rounded to a whole number."),
+           N_("When a save costs less than a step, the formula gives less than one step: save after every step "
+              "(at least 1).")],
+    mistakes=[
+        Mistake(_INTERVAL_HEAD + "    return round(math.sqrt(save_s * mtbf_s) / step_s)\n", "without the 2"),
+        Mistake(_INTERVAL_HEAD + "    return max(1, round(math.sqrt(2 * save_s * mtbf_s)))\n",
+                "divide it by step_s"),
+        Mistake(_INTERVAL_HEAD + "    return int(math.sqrt(2 * save_s * mtbf_s) / step_s)\n", "never saving"),
+        Mistake(_INTERVAL_HEAD + "    return math.sqrt(2 * save_s * mtbf_s) / step_s\n", "a whole number of steps"),
+        Mistake(_INTERVAL_HEAD + "    return max(1, round(2 * save_s * mtbf_s / step_s))\n",
+                "without the square root"),
+        Mistake(_INTERVAL_HEAD + "    return max(1, round(math.sqrt(2 * save_s / mtbf_s) / step_s))\n",
+                "Young's approximation"),
+        Mistake(_INTERVAL_HEAD + "    hours = mtbf_s / 3600\n    return max(1, round(math.sqrt(2 * save_s * hours) / "
+                "step_s))\n", "Young's approximation"),
+        Mistake(_INTERVAL_HEAD + "    return max(1, round(mtbf_s / step_s / 2))\n", "Young's approximation"),
     ],
 ))
