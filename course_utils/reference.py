@@ -137,21 +137,32 @@ def published_table(section: str) -> str:
     return "\n".join(lines)
 
 
+_shown: set[str] = set()  # sections whose published figures this process has printed ("" once anything was)
+
+
 def show_reference(section: str, path: Path | str | None = None) -> dict | None:
     """Print where the reference figures for `section` come from; return the course-measured ones.
 
     Returns None when the course has measured none for `section` (gpu_reference.json absent or lacking
-    it); it then prints the published figures for the section, labelled as such, instead."""
+    it); it then prints the published figures for the section, labelled as such, instead: the sentence on what a
+    GPU run would record once per process, each section's table once, and a pointer back when asked again."""
     ref = load_reference(section, path)
     if ref is None:
+        if "" not in _shown:
+            print(_("No GPU has run this course's measurements yet: a run of benchmarks/gpu_check.sh on a machine "
+                    "with an NVIDIA GPU records them, and these cells then show them. Until then they show "
+                    "published figures ({label}) for comparison.").format(label=_(PUBLISHED_LABEL)))
+            _shown.add("")
+        if section in _shown:
+            print(_("Published figures for '{section}': shown above.").format(section=section))
+            return None
+        _shown.add(section)
         table = published_table(section)
         if table:
-            print(_("No GPU figures measured by this course yet for '{section}'; published figures for comparison "
-                    "({label}):").format(section=section, label=_(PUBLISHED_LABEL)))
+            print(_("Published figures for '{section}':").format(section=section))
             print(table)
         else:
-            print(_("No GPU figures measured by this course yet for '{section}', and no published ones for it."
-                    ).format(section=section))
+            print(_("No published figures for '{section}' either.").format(section=section))
         return None
     print(_("Reference GPU figures for '{section}': {stamp}.").format(section=section, stamp=describe_stamp(ref["stamp"])))
     return ref["figures"]

@@ -53,3 +53,25 @@ def test_exercise_08_5_accepts_every_right_way_to_write_it(code):
     exec("import math\ndef steps_between_checkpoints(step_s, save_s, mtbf_s):\n" + code, ns)
     result = evaluate("08.5", ns["steps_between_checkpoints"])
     assert result.status == CORRECT, result.message
+
+
+@pytest.mark.parametrize("code", [
+    "    return 10 ** 400\n",                                         # overflowed the expected-loss formula
+    "    return max(1, round(2 * save_s * mtbf_s * 1000 / step_s))\n",
+    "    import torch\n    return torch.tensor(831, device='meta')\n",  # a tensor with no value to read
+    "    calls.append(1)\n    return 831 if len(calls) < 3 else 'oops'\n",
+    "    calls.append(1)\n    return 831 if len(calls) < 3 else 0\n",  # 0 once the check had moved on: a hang before
+    "    import numpy as np\n    return np.asarray(max(1, round(math.sqrt(2 * save_s * mtbf_s) / step_s)))\n",
+])
+def test_exercise_08_5_gives_feedback_and_never_crashes_or_hangs_on_hostile_answers(code):
+    """Answers found by a review: each is judged (the last one is right) without a checker crash."""
+    import time
+
+    from course_utils.exercises import CORRECT, INCORRECT, evaluate
+
+    ns = {"calls": []}
+    exec("import math\ndef steps_between_checkpoints(step_s, save_s, mtbf_s):\n" + code, ns)
+    start = time.perf_counter()
+    result = evaluate("08.5", ns["steps_between_checkpoints"])
+    assert not result.crashed and time.perf_counter() - start < 5, result.message
+    assert result.status == (CORRECT if "np.asarray" in code else INCORRECT), result.message

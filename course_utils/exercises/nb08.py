@@ -16,6 +16,7 @@ import os
 import tempfile
 from collections import Counter
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -541,14 +542,27 @@ _INTERVAL_CASES = [  # (step_s, save_s, mtbf_s)
     (5.0, 120.0, 11160.0),     # a large job: a failure every 3.1 h (Llama 3's rate), a 2-minute save
     (1.5, 60.0, 4 * 3600.0),
     (1, 30, 86400),            # whole numbers in: a failure a day
-    (2.0, 0.01, 60.0),         # a save far cheaper than a step: the formula gives 0.55 steps
+    (2.0, 0.01, 60.0),         # sqrt(2 C M) shorter than a step: the formula gives 0.55 steps
     (3.0, 0.5, 5.0),           # 0.75 steps by the formula
+    (1.0, 0.01, 10.0),         # 0.45 steps: round() alone gives 0
+    (1.0, 0.0, 3600.0),        # a save that costs nothing: 0 steps by the formula
 ]
 _INTERVAL_TOLERANCE = 1.02  # at most 2 % more time lost than the best whole number of steps
 
 
+def _random_interval_case() -> tuple[float, float, float]:
+    """A job drawn afresh at every check (not from the checker's own generator): no table of answers passes."""
+    import random
+    rng = random.Random()
+    return (round(rng.uniform(0.05, 4.0), 3), round(rng.uniform(1.0, 90.0), 2), round(rng.uniform(1.0, 48.0) * 3600))
+
+
 def _wrong_interval(k: int, step_s: float, save_s: float, mtbf_s: float) -> str:
     """The likely mistake behind an interval that loses too much time, if it matches one; else the formula."""
+    formula = math.sqrt(2 * save_s * mtbf_s) / step_s
+    if formula < 1:
+        return _("Here sqrt(2 * save_s * mtbf_s) is shorter than one step (the formula gives {formula:.2f} "
+                 "steps): save after every step, 1").format(formula=formula)
     candidates = [
         (math.sqrt(2 * save_s * mtbf_s), _("that is the interval in seconds, sqrt(2 * save_s * mtbf_s); divide it by "
                                            "step_s for a number of steps")),
@@ -557,32 +571,56 @@ def _wrong_interval(k: int, step_s: float, save_s: float, mtbf_s: float) -> str:
         (2 * save_s * mtbf_s / step_s, _("likely 2 * save_s * mtbf_s without the square root")),
     ]
     for value, why in candidates:
-        if abs(k - value) <= max(1.0, 0.01 * value):
+        if k > 10 ** 15:  # no formula here gives that many; and a float would overflow
+            break
+        if abs(value - formula) > max(1.0, 0.02 * formula) and abs(k - value) <= max(1.0, 0.01 * value):
             return why
     return _("Young's approximation: sqrt(2 * save_s * mtbf_s) seconds of training between saves, divided by "
              "step_s for steps")
 
 
+def _whole_steps(value, label: str) -> int:
+    """The answer as an int, or feedback: a Python or NumPy int, or a 0-d integer tensor or array."""
+    if isinstance(value, (torch.Tensor, np.ndarray)) and value.ndim == 0 and (
+            value.dtype in (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
+            if isinstance(value, torch.Tensor) else np.issubdtype(value.dtype, np.integer)):
+        try:
+            return int(value)
+        except Exception:  # a tensor without data (the meta device): no value to read
+            pass
+    elif not isinstance(value, bool) and isinstance(value, numbers.Integral):
+        return int(value)
+    raise Incorrect(_("{label} returned {value}: return a whole number of steps, an int (round() gives "
+                      "one)").format(label=label, value=describe(value)))
+
+
 def _check_steps_between_checkpoints(fn):
     if not callable(fn):
         raise Incorrect(_("steps_between_checkpoints should be a function, got {value}").format(value=describe(fn)))
-    for step_s, save_s, mtbf_s in _INTERVAL_CASES:
+    answers = []
+    for step_s, save_s, mtbf_s in [*_INTERVAL_CASES, _random_interval_case()]:
         label = f"steps_between_checkpoints({step_s}, {save_s}, {mtbf_s})"
-        k = call(fn, step_s, save_s, mtbf_s, name="steps_between_checkpoints")
-        if isinstance(k, torch.Tensor) and k.dim() == 0 and not k.dtype.is_floating_point and k.dtype != torch.bool:
-            k = int(k)
-        if isinstance(k, bool) or not isinstance(k, numbers.Integral):
-            raise Incorrect(_("{label} returned {value}: return a whole number of steps, an int (round() gives "
-                              "one)").format(label=label, value=describe(k)))
-        k = int(k)
+        k = _whole_steps(call(fn, step_s, save_s, mtbf_s, name="steps_between_checkpoints"), label)
+        again = _whole_steps(call(fn, step_s, save_s, mtbf_s, name="steps_between_checkpoints"), label)
+        if again != k:
+            raise Incorrect(_("{label} returned {k}, then {again}: the same job should get the same interval every "
+                              "time").format(label=label, k=k, again=again))
         formula = math.sqrt(2 * save_s * mtbf_s) / step_s
         if k < 1:
-            if formula < 1:
-                raise Incorrect(_("{label} returned {k}: here the formula gives {formula:.2f} steps (a save cheaper "
-                                  "than a step), and rounded down that is 0, which would mean never saving. Save at "
-                                  "least every step: max(1, ...)").format(label=label, k=k, formula=formula))
+            if k == 0 and formula < 1:
+                raise Incorrect(_("{label} returned 0: here the formula gives {formula:.2f} steps "
+                                  "(sqrt(2 * save_s * mtbf_s) is shorter than one step), which rounds to 0 and "
+                                  "would mean never saving. Save at least every step: max(1, ...)").format(
+                                      label=label, formula=formula))
             raise Incorrect(_("{label} returned {k}: the number of steps between saves is at least 1").format(
                 label=label, k=k))
+        if k > 50 * mtbf_s / step_s:  # lost_fraction would overflow; and a failure comes long before any save
+            digits = str(k)
+            shown = digits if len(digits) <= 15 else f"{digits[:3]}... ({len(digits)} digits)"
+            raise Incorrect(_("{label} returned {k}: that many steps between saves are more than 50 times the mean "
+                              "time between failures ({mtbf} s) of training, so a failure nearly always comes before "
+                              "the save. {why}").format(label=label, k=shown, mtbf=mtbf_s,
+                                                        why=_wrong_interval(k, step_s, save_s, mtbf_s)))
         best = failures.best_interval(step_s, save_s, mtbf_s)
         mine = failures.lost_fraction(k, step_s, save_s, mtbf_s)
         least = failures.lost_fraction(best, step_s, save_s, mtbf_s)
@@ -591,8 +629,9 @@ def _check_steps_between_checkpoints(fn):
                               "saves and redone work; every {best} steps loses {least:.2%}. {why}").format(
                                   label=label, k=k, mine=mine, best=best, least=least,
                                   why=_wrong_interval(k, step_s, save_s, mtbf_s)))
+        answers.append(k)
     step_s, save_s, mtbf_s = _INTERVAL_CASES[0]
-    k = int(call(fn, step_s, save_s, mtbf_s, name="steps_between_checkpoints"))
+    k = answers[0]
     work = int(20 * mtbf_s / step_s)  # 60 hours of training: some 20 failures a job
     simulated = failures.simulated_lost_fraction(k, step_s, save_s, mtbf_s, work, runs=100, seed=0)
     return _("every interval within 2% of the least time lost. A check by simulation: 100 jobs of 60 hours with "
@@ -609,14 +648,14 @@ register(Exercise(
     solution=_INTERVAL_HEAD + (
         "    tau = math.sqrt(2 * save_s * mtbf_s)  # seconds of training between saves (Young)\n"
         "    return max(1, round(tau / step_s))  # whole steps, at least one\n"),
-    setup="import math\n",
+    setup="import math\nimport sys\n\ncalls = []\n",
     checker=_check_steps_between_checkpoints,
     hints=[N_("Saving every tau seconds of training costs save_s per tau; a failure loses on average half an "
               "interval, tau / 2, once per mtbf_s. The sum save_s / tau + tau / (2 * mtbf_s) is least at tau = "
               "sqrt(2 * save_s * mtbf_s)."),
            N_("tau is in seconds; a step takes step_s seconds: tau / step_s steps, rounded to a whole number."),
-           N_("When a save costs less than a step, the formula gives less than one step: save after every step "
-              "(at least 1).")],
+           N_("When sqrt(2 * save_s * mtbf_s) is shorter than one step (a save that costs almost nothing), the "
+              "formula gives less than one step: save after every step (at least 1).")],
     mistakes=[
         Mistake(_INTERVAL_HEAD + "    return round(math.sqrt(save_s * mtbf_s) / step_s)\n", "without the 2"),
         Mistake(_INTERVAL_HEAD + "    return max(1, round(math.sqrt(2 * save_s * mtbf_s)))\n",
@@ -630,5 +669,17 @@ register(Exercise(
         Mistake(_INTERVAL_HEAD + "    hours = mtbf_s / 3600\n    return max(1, round(math.sqrt(2 * save_s * hours) / "
                 "step_s))\n", "Young's approximation"),
         Mistake(_INTERVAL_HEAD + "    return max(1, round(mtbf_s / step_s / 2))\n", "Young's approximation"),
+        Mistake(_INTERVAL_HEAD + "    return round(math.sqrt(2 * save_s * mtbf_s) / step_s)\n", "rounds to 0"),
+        Mistake(_INTERVAL_HEAD + "    return round((math.sqrt(2 * save_s * mtbf_s) - save_s) / step_s)\n",
+                "rounds to 0"),
+        Mistake(_INTERVAL_HEAD + "    return max(1, round(math.sqrt(2 * save_s * mtbf_s) / step_s)) + 1\n",
+                "save after every step"),
+        Mistake(_INTERVAL_HEAD + "    return {(0.25, 2.0, 10800.0): 831, (5.0, 120.0, 11160.0): 327, (1.5, 60.0, 14400.0): "
+                "876,\n            (1, 30, 86400): 2277, (2.0, 0.01, 60.0): 1, (3.0, 0.5, 5.0): 1, (1.0, 0.01, 10.0): 1,\n"
+                "            (1.0, 0.0, 3600.0): 1}.get((step_s, save_s, mtbf_s), 100)\n", "Young's approximation"),
+        Mistake(_INTERVAL_HEAD + "    return sys.maxsize  # never save\n", "more than 50 times"),
+        Mistake(_INTERVAL_HEAD + "    return max(1, round((2 * save_s * mtbf_s) ** 2 / step_s))\n", "more than 50 times"),
+        Mistake(_INTERVAL_HEAD + "    calls.append(1)\n    return max(1, round(math.sqrt(2 * save_s * mtbf_s) / step_s "
+                "* (1 + len(calls) % 2 / 10)))\n", "the same job should get the same interval"),
     ],
 ))
