@@ -18,6 +18,7 @@ Importing this module touches no device.
 from __future__ import annotations
 
 import dataclasses
+import glob
 import os
 import random
 import tempfile
@@ -241,12 +242,26 @@ class EpochPosition:
 
 # --- files ----------------------------------------------------------------------------------
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 def save(state: dict[str, Any], path) -> Path:
-    """Write `state` to `path` atomically (temporary file in the same folder, fsync, rename)."""
+    """Write `state` to `path` atomically (temporary file in the same folder, fsync, rename).
+
+    One process writes a given path at a time (rank 0 in a distributed run), so temporary files of the same path
+    left by an earlier writer are those of a process killed while saving (SIGKILL runs no cleanup): removed. The
+    file gets the permissions of a plain `open` (0o666 less the umask), not mkstemp's owner-only 0o600, so other
+    jobs of a shared cluster can read it as they could any other file there."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    for stale in path.parent.glob(f".{glob.escape(path.name)}.*.tmp"):
+        stale.unlink(missing_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
+        os.chmod(tmp, 0o666 & ~_umask())
         with os.fdopen(fd, "wb") as f:
             torch.save(state, f)
             f.flush()

@@ -182,7 +182,12 @@ class Trainer:
             if self.is_main:
                 print(_("No checkpoint at '{name}' yet: starting from scratch.").format(name=paths[0].name))
             return
-        self.load_checkpoint(paths[0])
+        try:
+            self.load_checkpoint(paths[0])
+        except CheckpointError as exc:  # a restart would fail the same way: say how to get going again
+            raise CheckpointError(_("{error}. resume=True starts fresh only when there is no file: move '{name}' "
+                                    "away to start from scratch, or put back a good copy").format(
+                error=str(exc).rstrip("."), name=paths[0].name)) from None
         if self.is_main:
             print(_("Resumed from '{name}' at {where}.").format(name=paths[0].name, where=self.where()))
 

@@ -351,6 +351,36 @@ def test_checkpoint_is_written_atomically_and_loads_weights_only(tmp_path):
     assert state["epoch"] == 1 and "optimizer" in state and state["ranks"][0]["position"] is None
 
 
+def test_a_save_removes_what_a_writer_killed_mid_save_left_and_the_file_is_readable_by_others(tmp_path):
+    """SIGKILL during a save runs no cleanup: its temporary file stays; the next save removes it. mkstemp makes
+    files only their owner can read (0o600): the checkpoint gets a plain file's permissions instead."""
+    import stat
+
+    path = tmp_path / "ck.pt"
+    left = [tmp_path / ".ck.pt.abc123.tmp", tmp_path / ".ck.pt.x_y.tmp"]
+    for p in left:
+        p.write_bytes(b"half a checkpoint")
+    unrelated = tmp_path / ".other.pt.abc.tmp"
+    unrelated.write_bytes(b"another file's")
+    make_trainer(path)(1)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".other.pt.abc.tmp", "ck.pt"]
+    mask = os.umask(0o022)
+    try:
+        make_trainer(path)(1)
+    finally:
+        os.umask(mask)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o644
+
+
+def test_resume_true_on_a_corrupt_file_says_how_to_start_again(tmp_path):
+    path = tmp_path / "run.pt"
+    make_trainer(path)(1)
+    path.write_bytes(path.read_bytes()[:1000])
+    with pytest.raises(CheckpointError, match="truncated or corrupt") as info:
+        make_trainer(path, resume=True)
+    assert "move 'run.pt' away to start from scratch" in str(info.value)
+
+
 def test_truncated_or_corrupt_checkpoints_give_a_clear_error_naming_the_file(tmp_path):
     good = tmp_path / "good.pt"
     make_trainer(good)(1)
