@@ -21,7 +21,7 @@ import dataclasses
 import glob
 import os
 import random
-import tempfile
+import secrets
 from pathlib import Path
 from typing import Any
 
@@ -242,26 +242,20 @@ class EpochPosition:
 
 # --- files ----------------------------------------------------------------------------------
 
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
 def save(state: dict[str, Any], path) -> Path:
     """Write `state` to `path` atomically (temporary file in the same folder, fsync, rename).
 
     One process writes a given path at a time (rank 0 in a distributed run), so temporary files of the same path
     left by an earlier writer are those of a process killed while saving (SIGKILL runs no cleanup): removed. The
-    file gets the permissions of a plain `open` (0o666 less the umask), not mkstemp's owner-only 0o600, so other
-    jobs of a shared cluster can read it as they could any other file there."""
+    file is created as a plain `open` creates one (0o666 less the umask; mkstemp's would be owner-only, 0o600), so
+    other jobs of a shared cluster can read it as they could any other file there."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     for stale in path.parent.glob(f".{glob.escape(path.name)}.*.tmp"):
         stale.unlink(missing_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    tmp = path.parent / f".{path.name}.{secrets.token_hex(8)}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666)  # less the umask
     try:
-        os.chmod(tmp, 0o666 & ~_umask())
         with os.fdopen(fd, "wb") as f:
             torch.save(state, f)
             f.flush()

@@ -16,8 +16,8 @@ The pieces the `Trainer` uses (a plain script that builds a Trainer runs data-pa
   rank).
 - `StopVote(process)`: whether any rank wants to stop (a Ctrl-C, a SIGTERM or a callback's StopTraining that reached
   only some ranks), agreed without a blocking collective per step: an asynchronous CPU all-reduce about every
-  quarter second (or every step, when steps take longer) carries the wishes, and the one posted before, long finished by then, is
-  read. Every rank reads the same answers at the same step, so all ranks stop at the same step. `settle()` (at an
+  quarter second (or every step, when steps take longer) carries the wishes, and the one posted before, long
+  finished by then, is read. Every rank reads the same answers at the same step, so all ranks stop at the same step. `settle()` (at an
   epoch's end) waits for the answer.
 - `gather_objects(obj, process)`: one Python object from every rank (the random generators' states).
 
@@ -361,8 +361,8 @@ class StopVote:
     proposes how many steps fill about `seconds` (default 0.25 s; every step when a step takes longer), and from
     the answer on all ranks use the largest proposal. All ranks make the same calls and read the same answers at
     the same call, so they stop together: about 2 x `seconds` after the wish, or 2 steps when steps are slower (a
-    SIGTERM's save then lands within torchrun's --shutdown-timeout grace period unless a step takes that long). `seconds=None`
-    keeps `every` fixed (the environment variable COURSE_STOP_VOTE_SECONDS=0 does the same, for tests that
+    SIGTERM's save then lands within torchrun's --shutdown-timeout grace period unless a step takes that long).
+    `seconds=None` keeps `every` fixed (the environment variable COURSE_STOP_VOTE_SECONDS=0 does the same, for tests that
     need the stop at a known step). In one process `Alone` stands in: a wish is its own answer, at once.
     """
 
@@ -373,8 +373,8 @@ class StopVote:
             seconds = float(os.environ.get(ENV_VOTE_SECONDS, "0.25"))
         self.process = process
         self.every = every
-        self.least = 1 if seconds and seconds > 0 else every  # slow steps: a vote every step
         self.seconds = seconds if seconds and seconds > 0 else None
+        self.least = 1 if self.seconds else every  # timed: slow steps vote every step; fixed: every `every`
         self._left = every    # calls until the next post
         self._wish = 0        # the largest wish made since the last post
         self._pending = None  # (work, tensor) of the last posted wish

@@ -137,7 +137,7 @@ def published_table(section: str) -> str:
     return "\n".join(lines)
 
 
-_shown: set[str] = set()  # sections whose published figures this process has printed ("" once anything was)
+_shown: set[str] = set()  # sections whose published figures this process has printed
 
 
 def show_reference(section: str, path: Path | str | None = None) -> dict | None:
@@ -148,11 +148,10 @@ def show_reference(section: str, path: Path | str | None = None) -> dict | None:
     GPU run would record once per process, each section's table once, and a pointer back when asked again."""
     ref = load_reference(section, path)
     if ref is None:
-        if "" not in _shown:
+        if not _shown:  # the first section shown without measured figures: say once what a GPU run would add
             print(_("No GPU has run this course's measurements yet: a run of benchmarks/gpu_check.sh on a machine "
                     "with an NVIDIA GPU records them, and these cells then show them. Until then they show "
                     "published figures ({label}) for comparison.").format(label=_(PUBLISHED_LABEL)))
-            _shown.add("")
         if section in _shown:
             print(_("Published figures for '{section}': shown above.").format(section=section))
             return None
