@@ -135,6 +135,9 @@ def _found_inf(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer) -
     return total
 
 
+_NO_AUTOCAST = contextlib.nullcontext()  # float32's context: one reusable object, nothing built per step
+
+
 class MixedPrecision:
     """Autocast, loss scaling and the optimizer step for one device, behind four calls.
 
@@ -173,7 +176,7 @@ class MixedPrecision:
 
     def autocast(self) -> ContextManager:
         """The context for the forward pass and loss: a fresh autocast context, or nothing in float32."""
-        return contextlib.nullcontext()
+        return _NO_AUTOCAST
 
     def backward(self, loss: torch.Tensor) -> None:
         """`loss.backward()` (the loss multiplied by the scale first, under ScaledFloat16)."""

@@ -20,7 +20,7 @@ from .device import get_device, mps_available
 from .threads import CpuUse, cpu_use
 
 __all__ = [
-    "MIN_DRIVER_BRANCH", "EnvironmentReport", "NvmlInfo", "Step", "TorchInfo", "build_supports_gpu",
+    "INTEGRATED_GPUS", "MIN_DRIVER", "EnvironmentReport", "NvmlInfo", "Step", "TorchInfo", "build_supports_gpu",
     "describe_environment", "diagnose", "driver_runs_build", "gpu_support_problems", "query_nvml", "query_torch",
 ]
 
@@ -36,6 +36,7 @@ class NvmlInfo:
     cuda_driver_version: tuple[int, int] | None = None  # highest CUDA runtime the driver supports
     gpus: list[str] = field(default_factory=list)
     capabilities: list[tuple[int, int] | None] = field(default_factory=list)  # compute capability per GPU
+    uuids: list[str] = field(default_factory=list)  # "GPU-…" per GPU, in NVML's order (CUDA_VISIBLE_DEVICES may name them)
 
 
 def query_nvml(nvml=None) -> NvmlInfo:
@@ -55,6 +56,7 @@ def query_nvml(nvml=None) -> NvmlInfo:
             devices = nvml_reader.list_devices(nvml, mig=False)
             info.gpus = [nvml_reader.device_name(nvml, d.handle) for d in devices]
             info.capabilities = [nvml_reader.compute_capability(nvml, d.handle) for d in devices]
+            info.uuids = [d.uuid for d in devices]
         except Exception:
             pass
         return info
@@ -96,9 +98,16 @@ def query_torch() -> TorchInfo:
 
 # --- compatibility rules ----------------------------------------------------------------
 
-# Minimum driver branch for each CUDA major release, under which CUDA's minor-version compatibility holds
-# (NVIDIA, "CUDA Compatibility", minor version compatibility table: 11.x >= 450, 12.x >= 525, 13.x >= 580).
-MIN_DRIVER_BRANCH = {11: 450, 12: 525, 13: 580}
+# The oldest driver for each CUDA major release under which CUDA's minor-version compatibility holds (NVIDIA,
+# "CUDA Compatibility" and the toolkit release notes, Linux: 11.x needs 450.80.02, the 450 release CUDA 11.0 came
+# with is not enough; 12.x 525.60.13; 13.x the 580 branch). Windows' numbers differ slightly (452.39, 527.41).
+MIN_DRIVER = {11: "450.80.02", 12: "525.60.13", 13: "580"}
+
+
+def _release(version: str | None) -> tuple[int, ...] | None:
+    """'450.80.02' -> (450, 80, 2); None when it is not a dotted number."""
+    parts = (version or "").split(".")
+    return tuple(int(p) for p in parts) if all(p.isdigit() for p in parts) else None
 
 
 def driver_runs_build(build: tuple[int, int], driver_cuda: tuple[int, int], driver_version: str | None
@@ -107,20 +116,21 @@ def driver_runs_build(build: tuple[int, int], driver_cuda: tuple[int, int], driv
 
     A driver runs everything built for its CUDA version or older (backward compatibility). Since CUDA 11, it
     also runs code built with a newer *minor* release of its own major release (minor-version compatibility),
-    provided the driver is at least that major release's minimum branch; features that need the newer driver
+    provided the driver is at least that major release's minimum (`MIN_DRIVER`); features that need the newer driver
     (PTX compiled by the newer toolkit) are then unavailable.
     """
     need, have = f"{build[0]}.{build[1]}", f"{driver_cuda[0]}.{driver_cuda[1]}"
     if driver_cuda >= build:
         return True, _("the driver supports CUDA {have}, this build uses CUDA {need}").format(have=have, need=need)
-    branch = int(driver_version.split(".")[0]) if driver_version and driver_version.split(".")[0].isdigit() else None
-    minimum = MIN_DRIVER_BRANCH.get(build[0])
-    if build[0] >= 11 and driver_cuda[0] == build[0] and minimum is not None and (branch is None or branch >= minimum):
+    release = _release(driver_version)
+    minimum = MIN_DRIVER.get(build[0])
+    new_enough = release is None or minimum is None or release >= _release(minimum)
+    if build[0] >= 11 and driver_cuda[0] == build[0] and minimum is not None and new_enough:
         return True, _("the driver supports CUDA {have} and this build uses CUDA {need}: the same major release, "
                        "so CUDA's minor-version compatibility lets it run (features that need a newer driver, such "
                        "as PTX from the newer toolkit, are unavailable)").format(have=have, need=need)
-    if minimum is not None and branch is not None and branch < minimum:
-        fix = _("update the driver to the {minimum} branch or newer").format(minimum=minimum)
+    if not new_enough:
+        fix = _("update the driver to {minimum} or newer").format(minimum=minimum)
     else:
         fix = _("update the driver")
     return False, _("the driver supports CUDA up to {have}, but this torch was built with CUDA {need}: {fix}, or "
@@ -139,17 +149,37 @@ def _arch(name: str) -> tuple[tuple[int, int], str] | None:
     return (int(digits[:-1]), int(digits[-1])), kind + ("_a" if rest.endswith("a") else "")
 
 
-def build_supports_gpu(capability: tuple[int, int], arch_list: list[str]) -> tuple[bool, str]:
+# The integrated GPUs of NVIDIA's Jetson/Tegra chips (Nano 5.3, TX2 6.2, Xavier 7.2, Orin 8.7, Thor 10.1, renamed
+# 11.0) do not share machine code with the discrete GPUs of their major version, either way (PyTorch's table,
+# torch.cuda.DEVICE_REQUIREMENT); from CUDA 13.2 on, sm_70, sm_80 and sm_86 code runs on Xavier and Orin too.
+INTEGRATED_GPUS = {(5, 3), (6, 2), (7, 2), (8, 7), (10, 1), (11, 0)}
+_RENAMED = {(10, 1): (11, 0), (11, 0): (10, 1)}
+_UNIFIED = {(7, 0), (8, 0), (8, 6)}  # CUDA 13.2's "SBSA" code that Jetsons run
+
+
+def _machine_code_runs(code: tuple[int, int], gpu: tuple[int, int], cuda_build: tuple[int, int] | None) -> bool:
+    """Does sm_XY machine code built for `code` run on a GPU of capability `gpu`?"""
+    if code in INTEGRATED_GPUS or gpu in INTEGRATED_GPUS:
+        if code == gpu or _RENAMED.get(code) == gpu:
+            return True
+        return (cuda_build is not None and cuda_build >= (13, 2) and code in _UNIFIED and gpu[0] == code[0]
+                and gpu >= code)
+    return code[0] == gpu[0] and code[1] <= gpu[1]  # same major, equal or higher minor
+
+
+def build_supports_gpu(capability: tuple[int, int], arch_list: list[str],
+                       cuda_build: tuple[int, int] | None = None) -> tuple[bool, str]:
     """Does this build carry code that runs on a GPU of compute `capability`? (ok, why)
 
-    Machine code (sm_XY) runs on GPUs of the same major version and an equal or higher minor one; PTX
-    (compute_XY) is compiled by the driver for any GPU of capability XY or higher (slowly, on first use).
-    Arch-specific variants (sm_90a) run only on exactly that GPU.
+    Machine code (sm_XY) runs on GPUs of the same major version and an equal or higher minor one, except across
+    Jetson (integrated) and discrete GPUs (`INTEGRATED_GPUS`; `cuda_build`, the build's CUDA version, decides
+    CUDA 13.2's exception); PTX (compute_XY) is compiled by the driver for any GPU of capability XY or higher
+    (slowly, on first use). Arch-specific variants (sm_90a) run only on exactly that GPU.
     """
     cc = f"sm_{capability[0]}{capability[1]}"
     archs = [a for a in (_arch(n) for n in arch_list) if a is not None]
     sms = sorted(v for v, kind in archs if kind == "sm")
-    if any((v[0] == capability[0] and v[1] <= capability[1]) if kind == "sm" else v == capability
+    if any(_machine_code_runs(v, capability, cuda_build) if kind == "sm" else v == capability
            for v, kind in archs if kind in ("sm", "sm_a")):
         return True, _("yes: this build has machine code for {cc} GPUs ({archs})").format(cc=cc,
                                                                                           archs=" ".join(arch_list))
@@ -157,6 +187,10 @@ def build_supports_gpu(capability: tuple[int, int], arch_list: list[str]) -> tup
         return True, _("yes, through PTX: the driver compiles it for {cc} on first use (slow the first time)"
                        ).format(cc=cc)
     listed = " ".join(arch_list) or _("none")
+    if capability in INTEGRATED_GPUS:
+        return False, _("no: this GPU ({cc}) is a Jetson's integrated GPU, which runs only code built for it, and "
+                        "this build has code for {listed}. Install a torch built for Jetson (NVIDIA publishes "
+                        "them for each JetPack release)").format(cc=cc, listed=listed)
     if sms and capability < sms[0]:
         return False, _("no: this GPU ({cc}) is too old for this build, which has code for {listed}. Install an "
                         "older torch (or one built for an older CUDA) that still supports it").format(cc=cc,
@@ -164,6 +198,31 @@ def build_supports_gpu(capability: tuple[int, int], arch_list: list[str]) -> tup
     return False, _("no: this GPU ({cc}) is newer than anything this build has code for ({listed}). Install a "
                     "newer torch built for a newer CUDA (pytorch.org's selector lists them); until then it fails "
                     "with 'no kernel image is available for execution on the device'").format(cc=cc, listed=listed)
+
+
+def count_visible(value: str, nvml: NvmlInfo) -> int | None:
+    """How many of this machine's GPUs a CUDA_VISIBLE_DEVICES value shows (None where it cannot be told: MIG
+    devices, or GPUs without known UUIDs). Indices count up to the first one this machine does not have; UUID
+    prefixes up to the first that matches no GPU or more than one, as in torch.cuda.device_count()."""
+    named = nvml_reader.visible_devices(value)
+    if not named or isinstance(named[0], int):
+        return next((i for i, index in enumerate(named) if index >= len(nvml.gpus)), len(named))
+    if named[0].startswith("MIG-") or len(nvml.uuids) != len(nvml.gpus):
+        return None
+    found: list[int] = []
+    for prefix in named:
+        matches = [i for i, uuid in enumerate(nvml.uuids) if uuid.startswith(prefix)]
+        if len(matches) != 1:
+            break
+        if matches[0] in found:
+            return 0
+        found.append(matches[0])
+    return len(found)
+
+
+def _cuda_version(text: str | None) -> tuple[int, int] | None:
+    """'13.0' -> (13, 0); None for a CPU-only build."""
+    return tuple(int(p) for p in text.split(".")[:2]) if text else None
 
 
 @dataclass
@@ -216,7 +275,7 @@ def diagnose(torch_info: TorchInfo, nvml: NvmlInfo, env: dict | None = None) -> 
 
     # 3. Is the driver new enough for the build's CUDA?
     if torch_info.cuda_build and nvml.cuda_driver_version:
-        need = tuple(int(p) for p in torch_info.cuda_build.split(".")[:2])
+        need = _cuda_version(torch_info.cuda_build)
         ok, why = driver_runs_build(need, nvml.cuda_driver_version, nvml.driver_version)
         steps.append(Step(_("Is the driver new enough for this build's CUDA?"),
                           (_("yes: {why}") if ok else _("no: {why}")).format(why=why), ok))
@@ -229,16 +288,26 @@ def diagnose(torch_info: TorchInfo, nvml: NvmlInfo, env: dict | None = None) -> 
         return steps
     if torch_info.arch_list and any(nvml.capabilities):
         steps.append(Step(_("Does this PyTorch build support this GPU?"),
-                          build_supports_gpu(next(c for c in nvml.capabilities if c), torch_info.arch_list)[1], True))
+                          build_supports_gpu(next(c for c in nvml.capabilities if c), torch_info.arch_list,
+                                             _cuda_version(torch_info.cuda_build))[1], True))
     # 5. Is the GPU hidden by CUDA_VISIBLE_DEVICES?
     cvd = env.get("CUDA_VISIBLE_DEVICES")
-    if cvd is not None and (cvd.strip() in ("", "-1", "none", "NoDevFiles")):
+    shown = None if cvd is None else count_visible(cvd, nvml)
+    if shown == 0:
         steps.append(Step(_("Is the GPU hidden by CUDA_VISIBLE_DEVICES?"),
-                          _("yes: CUDA_VISIBLE_DEVICES={value!r} hides every GPU from this process. Unset it "
-                            "(and restart the kernel) to use the GPU.").format(value=cvd), False))
+                          _("yes: CUDA_VISIBLE_DEVICES={value!r} shows none of this machine's {count} GPU(s) "
+                            "({why}). Unset it, or name GPUs 0 to {last} or their UUIDs (nvidia-smi -L), and restart "
+                            "the kernel.").format(value=cvd, count=len(nvml.gpus), last=max(len(nvml.gpus) - 1, 0),
+                                                  why=_hidden_why(cvd)), False))
         return steps
-    steps.append(Step(_("Is the GPU hidden by CUDA_VISIBLE_DEVICES?"),
-                      _("no: it is not set") if cvd is None else _("no: it is {value!r}").format(value=cvd), True))
+    if cvd is None:
+        finding = _("no: it is not set")
+    elif shown is None:
+        finding = _("no: it is {value!r} (which GPUs it names is not checked here: MIG slices, or UUIDs NVML did not give)").format(value=cvd)
+    else:
+        finding = _("no: it is {value!r}, which shows {shown} of the {count} GPU(s)").format(
+            value=cvd, shown=shown, count=len(nvml.gpus))
+    steps.append(Step(_("Is the GPU hidden by CUDA_VISIBLE_DEVICES?"), finding, True))
 
     if not torch_info.cuda_available:
         if torch_info.cuda_error:
@@ -251,6 +320,21 @@ def diagnose(torch_info: TorchInfo, nvml: NvmlInfo, env: dict | None = None) -> 
     return steps
 
 
+def _hidden_why(value: str) -> str:
+    """Why a CUDA_VISIBLE_DEVICES value that names GPUs shows none of them, in words."""
+    named = nvml_reader.visible_devices(value)
+    first = value.split(",")[0]
+    if not value.strip():
+        return _("an empty value hides every GPU")
+    if not named and nvml_reader.visible_devices(first):  # the first entry alone names a GPU: a later one repeats a GPU
+        return _("a GPU is named twice, which hides every GPU")
+    if not named:
+        return _("its first entry, {entry!r}, is not a GPU index, and the list ends there").format(entry=first)
+    if isinstance(named[0], int):
+        return _("GPU {index} does not exist here, and the list ends there").format(index=named[0])
+    return _("{entry!r} matches no GPU's UUID, or more than one, and the list ends there").format(entry=named[0])
+
+
 def gpu_support_problems(torch_info: TorchInfo, nvml: NvmlInfo) -> list[str]:
     """For each GPU this build has no code for: what is wrong, and the fix (empty when all are supported or
     nothing is known)."""
@@ -259,7 +343,7 @@ def gpu_support_problems(torch_info: TorchInfo, nvml: NvmlInfo) -> list[str]:
     problems = []
     for name, cc in zip(nvml.gpus, nvml.capabilities):
         if cc is not None:
-            ok, why = build_supports_gpu(cc, torch_info.arch_list)
+            ok, why = build_supports_gpu(cc, torch_info.arch_list, _cuda_version(torch_info.cuda_build))
             if not ok:
                 problems.append(_("{name}: {why}").format(name=name, why=why))
     return problems

@@ -8,6 +8,7 @@
 - `session(nvml)`: an init/shutdown pair around a block, for a one-off question.
 - `driver_version`, `cuda_driver_version`, `list_devices` (physical GPUs and MIG slices), `device_name`.
 - `normalize_uuid`: NVML's and PyTorch's spellings of a GPU's UUID made comparable.
+- `visible_devices`: the GPUs a CUDA_VISIBLE_DEVICES value names (indices or UUID prefixes), read as PyTorch does.
 
 NVML reference-counts nvmlInit/nvmlShutdown, so a `session` does not pull the library out from under
 `init_once`. Every function takes the binding as `nvml` so that tests can pass a stand-in for what a
@@ -15,6 +16,7 @@ machine without an NVIDIA GPU cannot show. Importing this module loads and initi
 """
 from __future__ import annotations
 
+import re
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -23,7 +25,7 @@ from typing import Any
 
 __all__ = [
     "NvmlDevice", "cuda_driver_version", "device_name", "driver_version", "init_once", "list_devices", "load",
-    "normalize_uuid", "session", "text",
+    "normalize_uuid", "session", "text", "visible_devices",
 ]
 
 _INIT_LOCK = threading.Lock()
@@ -157,3 +159,30 @@ def compute_capability(nvml, handle) -> tuple[int, int] | None:
     except Exception:
         return None
     return int(major), int(minor)
+
+
+def visible_devices(value: str) -> list[int] | list[str]:
+    """What a CUDA_VISIBLE_DEVICES value names, read as PyTorch reads it (`torch.cuda._parse_visible_devices`, which
+    follows CUDA's rules): GPU indices, or UUID prefixes ("GPU-…", "MIG-…"). An entry that is not a number (or a
+    negative one) ends the list, as does, for UUIDs, one without the first entry's prefix; a repeated entry hides
+    everything. "" and "-1" name nothing."""
+    for prefix in ("GPU-", "MIG-"):
+        if value.startswith(prefix):
+            named: list[str] = []
+            for entry in value.split(","):
+                if entry in named:
+                    return []
+                if not entry.startswith(prefix):
+                    break
+                named.append(entry)
+            return named
+    indices: list[int] = []
+    for entry in value.split(","):
+        digits = re.match(r"[+-]?\d*", entry.strip()).group()  # like C's strtoul: "1gpu" is 1, "gpu" is nothing
+        index = int(digits) if digits.lstrip("+-") else -1
+        if index in indices:
+            return []
+        if index < 0:
+            break
+        indices.append(index)
+    return indices

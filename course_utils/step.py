@@ -66,6 +66,8 @@ def split(x, size: int) -> list:
 def forward(model: nn.Module, inputs):
     """`model(inputs)`; `model(*inputs)` for a tuple/list of tensors (a model with several inputs), and
     `model(**inputs)` for a dict (keyword inputs, as Hugging Face models take them)."""
+    if isinstance(inputs, torch.Tensor):  # the usual case first: one cheap test
+        return model(inputs)
     if isinstance(inputs, Mapping):
         return model(**inputs)
     return model(*inputs) if isinstance(inputs, (list, tuple)) else model(inputs)
@@ -206,7 +208,9 @@ class TrainStep:
         self.in_optimizer_step = False
         self.optimizer.zero_grad(set_to_none=True)
         if chunk_size is None and len(batches) == 1:  # the usual step: one whole batch, nothing to weigh
-            loss = self._loss(*batches[0])
+            inputs, targets = batches[0]
+            with self.precision.autocast():
+                loss = self.loss_fn(forward(self.model, inputs), targets)
             self.precision.backward(loss)
             losses = [loss.detach()]
         else:

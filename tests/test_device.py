@@ -1,10 +1,13 @@
 """Device choice and the environment diagnosis. The diagnosis branches are fed faked NVML/torch answers:
 a missing driver, a CPU-only build, an old driver or a hidden GPU cannot be staged on this machine."""
+import itertools
+
 import pytest
 import torch
 
 from course_utils import describe_environment, get_device
-from course_utils.environment import NvmlInfo, TorchInfo, diagnose, query_nvml, query_torch
+from course_utils.environment import NvmlInfo, TorchInfo, count_visible, diagnose, query_nvml, query_torch
+from course_utils.nvml import visible_devices
 
 
 def torch_info(cuda_build="12.4", available=False, hip=None):
@@ -13,6 +16,8 @@ def torch_info(cuda_build="12.4", available=False, hip=None):
 
 
 GOOD_DRIVER = NvmlInfo(True, driver_version="550.54", cuda_driver_version=(12, 4), gpus=["NVIDIA GeForce RTX 3060"])
+UUID_DRIVER = NvmlInfo(True, driver_version="550.54", cuda_driver_version=(12, 4), gpus=["NVIDIA GeForce RTX 3060"] * 2,
+                       uuids=["GPU-00000000-1111", "GPU-00000001-2222"])
 
 
 def test_get_device_defaults_to_the_best_available():
@@ -54,10 +59,59 @@ def test_driver_too_old_for_the_build():
     assert "11.4" in steps[-1].finding and "12.4" in steps[-1].finding
 
 
-@pytest.mark.parametrize("value", ["", "-1"])
-def test_gpu_hidden_by_cuda_visible_devices(value):
-    steps = diagnose(torch_info(), GOOD_DRIVER, env={"CUDA_VISIBLE_DEVICES": value})
+@pytest.mark.parametrize("value, why", [("", "empty"), ("-1", "'-1', is not a GPU index"),
+                                        ("none", "'none', is not a GPU index"), ("-1,0", "'-1', is not a GPU index"),
+                                        ("5", "GPU 5 does not exist"), ("5,0", "GPU 5 does not exist"),
+                                        ("0,0", "named twice"), ("0,1,00", "named twice"),
+                                        ("GPU-ffff", "'GPU-ffff' matches no GPU"), ("GPU-", "more than one"),
+                                        ("GPU-00000000,GPU-00000000", "named twice")])
+def test_gpu_hidden_by_cuda_visible_devices(value, why):
+    """Every way a value shows none of the machine's GPUs, as PyTorch reads it, is found, with its cause."""
+    steps = diagnose(torch_info(), UUID_DRIVER, env={"CUDA_VISIBLE_DEVICES": value})
     assert not steps[-1].ok and "CUDA_VISIBLE_DEVICES" in steps[-1].finding and repr(value) in steps[-1].finding
+    assert why in steps[-1].finding and "2 GPU(s)" in steps[-1].finding
+
+
+@pytest.mark.parametrize("value, shown", [("0", 1), ("1,0", 2), ("0,5,1", 1), ("1,-1,0", 1), ("1gpu", 1),
+                                          ("GPU-00000001", 1), ("GPU-00000001,GPU-0000000", 1)])
+def test_gpus_shown_by_cuda_visible_devices_are_counted(value, shown):
+    steps = diagnose(torch_info(), UUID_DRIVER, env={"CUDA_VISIBLE_DEVICES": value})
+    step = next(s for s in steps if "CUDA_VISIBLE_DEVICES" in s.question)
+    assert step.ok and f"shows {shown} of the 2 GPU(s)" in step.finding
+
+
+def test_mig_devices_in_cuda_visible_devices_are_not_guessed():
+    steps = diagnose(torch_info(), UUID_DRIVER, env={"CUDA_VISIBLE_DEVICES": "MIG-1234"})
+    step = next(s for s in steps if "CUDA_VISIBLE_DEVICES" in s.question)
+    assert step.ok and "not checked here" in step.finding
+
+
+def _every_value():
+    """CUDA_VISIBLE_DEVICES values of one to three entries, from entries that probe every rule of the parse."""
+    entries = ["0", "1", "3", "4", "7", "-1", "", "+1", "01", " 1", "1 ", "1gpu", "gpu", "none", "NoDevFiles",
+               "GPU-aa", "GPU-a", "GPU-b333", "GPU-zz", "MIG-x", "gpu-aa"]
+    for n in (1, 2, 3):
+        yield from (",".join(p) for p in itertools.product(entries, repeat=n))
+
+
+def test_cuda_visible_devices_is_read_as_pytorch_reads_it(monkeypatch):
+    """PyTorch itself is the oracle: for every value, the same GPUs named and the same count on a 4-GPU machine
+    (torch.cuda's parse and count, with NVML's answers stood in)."""
+    uuids = ["GPU-aa11", "GPU-ab22", "GPU-b333", "GPU-c444"]
+    machine = NvmlInfo(True, gpus=["GPU"] * 4, uuids=uuids)
+    monkeypatch.setattr(torch.cuda, "_raw_device_count_nvml", lambda: 4)
+    monkeypatch.setattr(torch.cuda, "_raw_device_uuid_nvml", lambda: uuids)
+    checked = 0
+    for value in _every_value():
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", value)
+        try:
+            expected, count = torch.cuda._parse_visible_devices(), torch.cuda._device_count_nvml()
+        except ValueError:  # torch's own parse fails on a lone sign ("+"): nothing to compare
+            continue
+        assert visible_devices(value) == expected, value
+        assert count_visible(value, machine) == (None if count == -1 else count), value
+        checked += 1
+    assert checked > 9000
 
 
 def test_everything_looks_right_but_cuda_failed_to_start():
@@ -126,7 +180,8 @@ def test_query_nvml_reads_the_driver_through_one_init_shutdown_pair():
     fake = FakeDriver()
     info = query_nvml(fake)
     assert info == NvmlInfo(True, driver_version="550.54.14", cuda_driver_version=(12, 4),
-                            gpus=["NVIDIA A100-SXM4-40GB"] * 2, capabilities=[(8, 0)] * 2)
+                            gpus=["NVIDIA A100-SXM4-40GB"] * 2, capabilities=[(8, 0)] * 2,
+                            uuids=[f"GPU-{i:08d}-0000-0000-0000-000000000000" for i in range(2)])
     assert fake.calls == ["init", "shutdown"]
     import pynvml
 
@@ -160,7 +215,10 @@ ARCH_CU124 = ["sm_50", "sm_60", "sm_70", "sm_75", "sm_80", "sm_86", "sm_90"]
     ((12, 4), (12, 4), "550.54.14", True, "supports CUDA 12.4"),
     ((12, 4), (12, 2), "535.183.01", True, "minor-version compatibility"),  # older 12.x driver, newer 12.x build
     ((12, 8), (13, 0), "580.65.06", True, "supports CUDA 13.0"),             # backward compatibility
-    ((13, 0), (12, 9), "575.57.08", False, "580 branch"),                     # a CUDA 13 build needs the 580 branch
+    ((13, 0), (12, 9), "575.57.08", False, "to 580 or newer"),                # a CUDA 13 build needs the 580 branch
+    ((11, 8), (11, 0), "450.51.06", False, "to 450.80.02 or newer"),          # CUDA 11.0's own driver is too old
+    ((11, 8), (11, 0), "450.80.02", True, "minor-version compatibility"),     # the exact minimum
+    ((12, 4), (12, 0), "525.60.12", False, "to 525.60.13 or newer"),
     ((12, 1), (11, 4), "470.256.02", False, "CUDA 11.x"),
     ((10, 2), (10, 1), "418.67", False, "update the driver"),                 # before CUDA 11: no minor compatibility
 ])
@@ -201,3 +259,27 @@ def test_a_gpu_too_old_for_the_build_is_the_diagnosis():
     assert "Tesla V100" in steps[-1].finding and "too old" in steps[-1].finding
     fine = dataclasses.replace(v100, gpus=["NVIDIA H100"], capabilities=[(9, 0)])
     assert all(s.ok for s in diagnose(t, fine, env={})[:4])
+
+
+@pytest.mark.parametrize("cuda", ["13.0", "13.2"])
+def test_machine_code_verdicts_are_pytorchs_own(monkeypatch, cuda):
+    """PyTorch's table of which GPUs run which machine code (torch.cuda._code_compatible_with_device, Jetson
+    exceptions and CUDA 13.2's change included) is the oracle: every code version it knows against every GPU."""
+    from course_utils.environment import build_supports_gpu
+
+    monkeypatch.setattr(torch.version, "cuda", cuda)
+    codes = sorted(torch.cuda.DEVICE_REQUIREMENT)
+    gpus = sorted({*codes, 51, 75, 89, 103, 121} | {10 * major + minor for major in range(5, 13) for minor in range(10)})
+    build = tuple(int(p) for p in cuda.split("."))
+    for code in codes:
+        for gpu in gpus:
+            expected = torch.cuda._code_compatible_with_device(gpu, code)
+            got, why = build_supports_gpu(divmod(gpu, 10), [f"sm_{code}"], build)
+            assert got is expected, (code, gpu, why)
+
+
+def test_a_jetson_is_told_to_get_a_jetson_build():
+    from course_utils.environment import build_supports_gpu
+
+    ok, why = build_supports_gpu((8, 7), ["sm_75", "sm_80", "sm_86", "sm_90"], (13, 0))
+    assert not ok and "Jetson" in why and "sm_87" in why

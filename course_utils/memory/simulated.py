@@ -290,6 +290,19 @@ def _role_tensors(modules: Iterable[nn.Module], optimizers: Iterable[torch.optim
 
 # --- the simulated GPU -------------------------------------------------------------------
 
+def _oom_message(grown: int, before: int, budget: int) -> str:
+    """The out-of-memory message, worded as CUDA's caching allocator words it (c10/cuda/CUDACachingAllocator.cpp),
+    so code and people that read CUDA's message read this one; a simulated GPU has no other processes and no cache.
+    That part stays in English in every language (it is PyTorch's text, and notebooks parse it); only the remark
+    after it is translated, and it keeps its English start " (Simulated by", which notebook 05 looks for. (Built
+    here, apart from the `raise`, so that a traceback's last frame shows the raise and nothing else.)"""
+    return (f"CUDA out of memory. Tried to allocate {format_bytes(grown)}. GPU 0 has a total capacity of "
+            f"{format_bytes(budget)} of which {format_bytes(max(budget - before, 0))} is free. "
+            f"Of the allocated memory {format_bytes(before)} is allocated by PyTorch, and 0 bytes is reserved by "
+            "PyTorch but unallocated. "
+            + _("(Simulated by course_utils.memory.SimulatedGPU on the CPU: no real GPU was involved.)"))
+
+
 class SimulatedOutOfMemoryError(torch.OutOfMemoryError):
     """A `torch.OutOfMemoryError` raised by `SimulatedGPU`: caught by `except torch.OutOfMemoryError`
     (and `torch.cuda.OutOfMemoryError`, the same class), and its message starts like CUDA's."""
@@ -483,17 +496,8 @@ class SimulatedGPU:
         if before + grown <= self.budget:
             return
         self.oom_count += 1
-        # Worded as CUDA's caching allocator words it (c10/cuda/CUDACachingAllocator.cpp), so code and people that
-        # read CUDA's message read this one; a simulated GPU has no other processes and no cache. That part stays in
-        # English in every language (it is PyTorch's text, and notebooks parse it); only the remark after it is
-        # translated, and it keeps its English start " (Simulated by", which notebook 05 looks for.
-        raise SimulatedOutOfMemoryError(
-            f"CUDA out of memory. Tried to allocate {format_bytes(grown)}. GPU 0 has a total capacity of "
-            f"{format_bytes(self.budget)} of which {format_bytes(max(self.budget - before, 0))} is free. "
-            f"Of the allocated memory {format_bytes(before)} is allocated by PyTorch, and 0 bytes is reserved by "
-            "PyTorch but unallocated. "
-            + _("(Simulated by course_utils.memory.SimulatedGPU on the CPU: no real GPU was involved.)"),
-            requested=grown, allocated=before, budget=self.budget)
+        raise SimulatedOutOfMemoryError(_oom_message(grown, before, self.budget),
+                                        requested=grown, allocated=before, budget=self.budget)
 
     def __repr__(self) -> str:
         template = (_("SimulatedGPU({budget}, active: {allocated} allocated, peak {peak})") if self._mode is not None

@@ -19,7 +19,7 @@ from typing import Any, Callable
 from ..i18n import _
 from .stats import GpuStats
 from .torch_source import cuda_index, torch_device_uuid
-from ..nvml import NvmlDevice, device_name, list_devices, load, normalize_uuid
+from ..nvml import NvmlDevice, device_name, list_devices, load, normalize_uuid, visible_devices
 from ..nvml import init_once as nvml_init
 
 __all__ = ["NvmlSource", "normalize_uuid", "nvml_init"]
@@ -72,20 +72,20 @@ class NvmlSource:
             return None, None
         cvd = self._environ.get("CUDA_VISIBLE_DEVICES")
         if cvd is not None:
-            entries = [e.strip() for e in cvd.split(",") if e.strip()]
+            entries = visible_devices(cvd)  # as PyTorch reads it: indices, or UUID prefixes
             if wanted >= len(entries):
                 self.reason = _("CUDA_VISIBLE_DEVICES={value!r} makes no cuda:{index} visible").format(value=cvd,
                                                                                                       index=wanted)
                 return None, None
-            entry = entries[wanted].lower()
-            if entry.startswith(("gpu-", "mig-")):  # CUDA accepts unique UUID prefixes too
-                hits = [d for d in devices if d.uuid.lower().startswith(entry)]
+            entry = entries[wanted]
+            if isinstance(entry, str):  # CUDA accepts unique UUID prefixes too
+                hits = [d for d in devices if d.uuid.lower().startswith(entry.lower())]
                 if len(hits) == 1:
                     return hits[0], "cuda-visible-devices"
-            elif entry.isdigit() and self._environ.get("CUDA_DEVICE_ORDER") == "PCI_BUS_ID":
-                if int(entry) < len(physical) and len(devices) == len(physical):
-                    return physical[int(entry)], "cuda-visible-devices"
-            elif entry == "0" and len(devices) == 1:
+            elif self._environ.get("CUDA_DEVICE_ORDER") == "PCI_BUS_ID":  # CUDA's numbers are then NVML's
+                if entry < len(physical) and len(devices) == len(physical):
+                    return physical[entry], "cuda-visible-devices"
+            elif entry == 0 and len(devices) == 1:
                 return devices[0], "only-gpu"
         elif len(devices) == 1 and wanted == 0:
             return devices[0], "only-gpu"
