@@ -208,9 +208,7 @@ class TrainStep:
         self.in_optimizer_step = False
         self.optimizer.zero_grad(set_to_none=True)
         if chunk_size is None and len(batches) == 1:  # the usual step: one whole batch, nothing to weigh
-            inputs, targets = batches[0]
-            with self.precision.autocast():
-                loss = self.loss_fn(forward(self.model, inputs), targets)
+            loss = self._loss(*batches[0])
             self.precision.backward(loss)
             losses = [loss.detach()]
         else:

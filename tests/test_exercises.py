@@ -168,3 +168,21 @@ def test_a_checker_crash_is_told_apart_from_an_answer_that_raises():
         assert evaluate("99.1", _raiser(ValueError("boom"))).status == INCORRECT
     finally:
         del REGISTRY["99.1"]
+
+
+@pytest.mark.parametrize("edition", ["", "zh-CN"])
+def test_exercises_are_numbered_in_the_order_they_appear(edition):
+    """In every notebook (both editions) the exercises' check() calls come in the order 1, 2, 3, ... of its own
+    number, and together they are exactly the registry's exercises of that notebook."""
+    import re
+
+    registry = load_all()
+    for path in sorted((NOTEBOOKS / edition).glob("[0-9][0-9]_*.ipynb")):
+        nb = nbformat.read(path, as_version=4)
+        checked = [m for cell in nb.cells if cell.cell_type == "code"
+                   for m in re.findall(r'check\("(\d\d)\.(\d+)"', cell.source)]
+        number = path.name[:2]
+        assert all(n == number for n, _k in checked), (path.name, checked)
+        order = [int(k) for _n, k in checked]
+        assert order == list(range(1, len(order) + 1)), (path.name, order)
+        assert {f"{number}.{k}" for k in order} == {i for i in registry if i.startswith(number + ".")}, path.name

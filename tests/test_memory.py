@@ -17,7 +17,7 @@ from course_utils.memory import (
     CUDA_BLOCK_BYTES, OOM_MESSAGES, BatchSizeSearch, MemoryEstimate, ResilientStep,
     ResilientStepOutOfMemoryError, SimulatedGPU, SimulatedOutOfMemoryError, checkpoint_sequential_blocks,
     checkpointed, estimate_training_memory, find_max_batch_size, format_bytes, free_memory, is_oom_error,
-    limit_gpu_memory, parse_bytes,
+    limit_gpu_memory, parse_bytes, profiled_peak, resident_bytes,
 )
 from course_utils.amp import MixedPrecision
 from course_utils.models import CifarCNN, SimpleCNN
@@ -533,6 +533,60 @@ def test_estimate_is_within_10_percent_of_the_simulated_peak(model_cls, shape, b
     big_state = sum(counted(t) for t in state_tensors if t.dim() > 0)
     assert big_state == expected_multiple * est.parameters
     assert est.activations > 0
+
+
+def test_profiled_peak_counts_what_the_allocator_hands_out(monkeypatch):
+    """The independent oracle itself, on allocations whose sizes are known: resident storages counted once each,
+    then the largest running total of what the function allocated and freed."""
+    monkeypatch.setenv("KINETO_LOG_LEVEL", "6")
+    kept = torch.empty(1000, dtype=torch.float64)  # 8000 bytes, alive before and after
+    view = kept[10:20]  # the same storage: not counted twice
+
+    def fn():
+        a = torch.empty(1 << 20, dtype=torch.uint8)   # 1 MiB
+        b = torch.empty(3 << 19, dtype=torch.uint8)   # 1.5 MiB: 2.5 MiB alive
+        del a
+        c = torch.empty(1 << 19, dtype=torch.uint8)   # 0.5 MiB: 2 MiB alive, below the peak
+        return b, c
+
+    assert resident_bytes(kept, view, [kept], {"k": kept}) == 8000
+    assert profiled_peak(fn, kept, view) == 8000 + (5 << 19)
+
+
+def _mlp():
+    return nn.Sequential(nn.Flatten(), nn.Linear(784, 256), nn.ReLU(), nn.Dropout(0.2), nn.Linear(256, 10))
+
+
+def _bn_cnn():
+    return nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(), nn.MaxPool2d(2),
+                         nn.Flatten(), nn.Linear(16 * 16 * 16, 10))
+
+
+@pytest.mark.parametrize("make_model, shape", [(_mlp, (1, 28, 28)), (SimpleCNN, (1, 28, 28)),
+                                               (CifarCNN, (3, 32, 32)), (_bn_cnn, (3, 32, 32))])
+@pytest.mark.parametrize("opt_name", ["sgd", "momentum", "adam", "adamw"])
+@pytest.mark.parametrize("batch_size", [1, 48, 200])
+def test_estimate_is_within_10_percent_of_pytorchs_own_allocator_count(monkeypatch, make_model, shape, opt_name,
+                                                                        batch_size):
+    """The estimator against an oracle that shares no code with it (SimulatedGPU shares its ledger): the CPU
+    allocator's own events, recorded by torch.profiler during a steady-state training step."""
+    monkeypatch.setenv("KINETO_LOG_LEVEL", "6")
+    torch.manual_seed(0)
+    model = make_model()
+    make = {**OPTIMIZERS, "adamw": lambda p: torch.optim.AdamW(p, lr=1e-3)}[opt_name]
+    opt = make(model.parameters())
+    x, y = torch.rand(batch_size, *shape), torch.randint(0, 10, (batch_size,))
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+
+    step()  # the optimizer state exists from now on, as in every later step
+    opt.zero_grad(set_to_none=True)
+    measured = profiled_peak(step, model, opt, x, y)
+    est = estimate_training_memory(model, opt, (x, y), F.cross_entropy)
+    assert abs(est.total - measured) <= 0.10 * measured, (est, format_bytes(measured))
 
 
 def test_estimate_grows_with_batch_size_and_is_readable():

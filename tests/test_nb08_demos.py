@@ -1,4 +1,4 @@
-"""The answer key of exercise 08.3, checked for real: every snippet run on 2 gloo processes (ddp_demos diverge)."""
+"""The answer key of exercise 08.4, checked for real: every snippet run on 2 gloo processes (ddp_demos diverge)."""
 import json
 import os
 import subprocess

@@ -4,7 +4,7 @@
     torchrun --nproc-per-node 2 -m course_utils.examples.ddp_demos raise      # rank 1 raises at its third batch
     torchrun --nproc-per-node 2 -m course_utils.examples.ddp_demos hang       # a collective only rank 0 calls
     torchrun --nproc-per-node 2 -m course_utils.examples.ddp_demos mismatch   # the same, then another collective
-    torchrun --nproc-per-node 2 -m course_utils.examples.ddp_demos diverge --out d.json  # exercise 08.3, for real
+    torchrun --nproc-per-node 2 -m course_utils.examples.ddp_demos diverge --out d.json  # exercise 08.4, for real
 
 - `replicas`: a different seed on every rank before the model is built, then DistributedDataParallel: the
   parameters before and after its construction, after training steps on different data, and where each rank's
@@ -13,7 +13,7 @@
   layers to SyncBatchNorm first; PyTorch supports that on GPUs only).
 - `raise`, `hang`, `mismatch`: three bugs, for what torchrun and the process group report about them. The
   failures run on CPU processes (gloo) on any machine.
-- `diverge`: every snippet of exercise 08.3 run on 2 ranks; rank 0 writes how far the replicas' weights drifted.
+- `diverge`: every snippet of exercise 08.4 run on 2 ranks; rank 0 writes how far the replicas' weights drifted.
 Rank 0 writes the figures (JSON) to `--out`.
 """
 from __future__ import annotations
@@ -141,7 +141,7 @@ def skip_a_collective(then: str) -> None:
         print(_("rank {rank}: samples {samples:.0f}").format(rank=process.rank, samples=sums[0].item()), flush=True)
 
 
-# --- exercise 08.3: each snippet, run for real ------------------------------------------------------
+# --- exercise 08.4: each snippet, run for real ------------------------------------------------------
 
 SNIPPETS = "ABCDEFG"
 

@@ -4,8 +4,9 @@
 `SimulatedGPU` counts during a real training step; 05.2 read a CUDA out-of-memory message: fragmentation,
 other processes, or a step that is simply too big; 05.3 a training step that survives the OOM (the retry
 runs after the `except` block), checked on a `SimulatedGPU` against the full-batch update; 05.4 find the
-leak that keeps memory high after recovery; 05.5 the largest batch that fits, from a memory model that is
-affine in the batch size; 05.6 a gradient-accumulation loop whose last, shorter group still counts (claim 12).
+leak that keeps memory high after recovery; 05.5 the Trainer's memory check (will the first step fit?) in one
+function; 05.6 the largest batch that fits, from a memory model that is affine in the batch size; 05.7 a
+gradient-accumulation loop whose last, shorter group still counts (claim 12).
 
 Checkers build their models under a private random state (`torch.random.fork_rng`), run on the CPU only
 and never leave a `SimulatedGPU` active, so a check leaves the notebook's state as it was.
@@ -21,7 +22,7 @@ from torch import nn
 
 from ..i18n import N_, _
 from ..memory import SimulatedGPU, format_bytes
-from .core import Exercise, Incorrect, Mistake, call, describe, register, require_function, seeded
+from .core import AnswerTimeout, Exercise, Incorrect, Mistake, call, describe, register, require_function, seeded
 
 
 def _mlp(width: int = 64, depth: int = 3, inputs: int = 32, seed: int = 0) -> nn.Sequential:
@@ -315,6 +316,9 @@ def _budget_between(fits: int, fails: int) -> int:
     return low + (high - low) // 4
 
 
+_ENDLESS = 8  # out-of-memory errors in one call: far more than halving 512 samples down to parts that fit needs
+
+
 def _check_survive(survive):
     require_function(survive, "survive")
     *_unused, x, y = _survive_setup()
@@ -333,8 +337,19 @@ def _check_survive(survive):
                 call(survive, model, opt, x, y, name="survive", check_mutation=False)
             except Incorrect as exc:
                 failure = str(exc)
+            except AnswerTimeout:
+                if gpu.oom_count < _ENDLESS:
+                    raise
+                failure = _("it was still running after the time allowed")
         where = _("on a simulated GPU {condition} ({budget})").format(condition=_(label), budget=format_bytes(budget))
         if failure is not None:
+            if "OutOfMemoryError" not in failure and gpu.oom_count >= _ENDLESS:  # an endless retry, then a crash
+                raise Incorrect(_("{where}: survive ran out of memory {count} times and never got through: likely "
+                                  "mistake: the retry runs inside the except block (a recursive call from the except "
+                                  "block too), where every failed attempt's tensors are still held, so each retry "
+                                  "has less memory than the one before; leave the except block first, then retry. "
+                                  "(In the end: {failure})").format(where=where, count=gpu.oom_count,
+                                                                    failure=failure.split(" raised ", 1)[-1]))
             if "OutOfMemoryError" not in failure:
                 raise Incorrect(failure)
             if gpu.oom_count <= 1:
@@ -383,6 +398,9 @@ register(Exercise(
         Mistake(_SURVIVE_SIG + "    try:\n        train_in_parts(model, optimizer, x, y, 1)\n"
                 "    except torch.OutOfMemoryError:\n        train_in_parts(model, optimizer, x, y, 2)\n",
                 "inside the except block"),
+        Mistake(_SURVIVE_SIG.replace("y):", "y, parts=1):", 1) + "    try:\n        train_in_parts(model, optimizer, x, y, parts)\n"
+                "    except torch.OutOfMemoryError:\n        survive(model, optimizer, x, y, parts * 2)\n",
+                "a recursive call from the except block"),
         Mistake(_SURVIVE_SIG + "    try:\n        train_in_parts(model, optimizer, x, y, 1)\n"
                 "    except torch.OutOfMemoryError:\n        pass  # skip this batch\n", "skipped"),
         Mistake(_SURVIVE_SIG + "    failed = False\n    try:\n        train_in_parts(model, optimizer, x, y, 1)\n"
@@ -534,7 +552,7 @@ register(Exercise(
 ))
 
 
-# --- 05.5 the largest batch that fits ------------------------------------------------------------------
+# --- 05.6 the largest batch that fits ------------------------------------------------------------------
 
 def _affine(fixed: int, per_sample: int) -> Callable[[int], int]:
     def peak_at(batch_size: int) -> int:
@@ -591,7 +609,7 @@ _MAX_SIG = ("def max_batch_size(peak_at, budget):\n"
             "    \"\"\"The largest batch size b with peak_at(b) <= budget (0 if none), where peak_at(b) = fixed + per_sample * b.\"\"\"\n")
 
 register(Exercise(
-    id="05.5", title=N_("The largest batch that fits, predicted"), answer="max_batch_size",
+    id="05.6", title=N_("The largest batch that fits, predicted"), answer="max_batch_size",
     blank=_MAX_SIG + "    raise NotImplementedError  # your code here\n",
     solution=(_MAX_SIG
               + "    per_sample = peak_at(2) - peak_at(1)\n"
@@ -611,7 +629,7 @@ register(Exercise(
 ))
 
 
-# --- 05.6 gradient accumulation with a shorter last group -------------------------------------------------
+# --- 05.7 gradient accumulation with a shorter last group -------------------------------------------------
 
 def _accumulation_setup() -> tuple[nn.Module, torch.optim.Optimizer, list[tuple[torch.Tensor, torch.Tensor]]]:
     model = _mlp(width=24, depth=2, inputs=12, seed=3)
@@ -684,7 +702,7 @@ _ACC_SIG = ("def accumulate(model, optimizer, batches, k):\n"
             "    last group may be shorter); each step equals one step on its group concatenated.\"\"\"\n")
 
 register(Exercise(
-    id="05.6", title=N_("Gradient accumulation, the last group included"), answer="accumulate",
+    id="05.7", title=N_("Gradient accumulation, the last group included"), answer="accumulate",
     blank=_ACC_SIG + "    raise NotImplementedError  # your code here\n",
     solution=(_ACC_SIG
               + "    for start in range(0, len(batches), k):\n"
@@ -719,7 +737,7 @@ register(Exercise(
 ))
 
 
-# --- 05.7 the Trainer's memory check in one function --------------------------------------------------
+# --- 05.5 the Trainer's memory check in one function --------------------------------------------------
 
 def _fit_estimates():
     """Real estimates (fake tensors: nothing allocated) of a small model with Adam and with SGD."""
@@ -788,7 +806,7 @@ _FIT_SIG = ("def will_fit(estimate, free_bytes):\n"
             "    and a batch already on the device; `free_bytes`: what the device still has free.\"\"\"\n")
 
 register(Exercise(
-    id="05.7", title=N_("The Trainer's memory check in one function"), answer="will_fit",
+    id="05.5", title=N_("The Trainer's memory check in one function"), answer="will_fit",
     blank=_FIT_SIG + "    raise NotImplementedError  # your code here\n",
     solution=(_FIT_SIG
               + "    # parameters and batch are already allocated: only the rest of the peak must fit in what is free\n"

@@ -368,6 +368,13 @@ def _check_project(answer):
     if peak == 0:
         raise Incorrect(_("the SimulatedGPU recorded no memory use: run your training steps inside `with gpu:`"))
     first, steady = _steady_state_peak(model, optimizer, batch_size)
+    if first > PROJECT_BUDGET:  # not a matter of which step was measured: no step fits at this batch size
+        raise Incorrect(_("at batch {batch_size}, even the first step needs {first}, more than the {budget} budget "
+                          "(a step with the optimizer's state in place needs {steady}): likely mistake: the batch "
+                          "size you return is not the one your SimulatedGPU measured. Return the batch size you "
+                          "trained and measured with, and make it small enough").format(
+                              batch_size=batch_size, first=format_bytes(first), budget=format_bytes(PROJECT_BUDGET),
+                              steady=format_bytes(steady)))
     if steady > PROJECT_BUDGET:
         raise Incorrect(_("at batch {batch_size}, a step with the optimizer's state in place needs "
                           "{steady}, more than the {budget} budget (the first "
@@ -456,6 +463,8 @@ register(Exercise(
                 "with Adam the second step is the larger"),
         Mistake(_PROJECT_HEAD + _measured(32, 1) + "project = (model, optimizer, batch_size, gpu)\n",
                 "only the first step was measured"),
+        Mistake(_PROJECT_HEAD + _measured(32, 2) + "batch_size = 256  # trained with a bigger batch than measured\n"
+                "project = (model, optimizer, batch_size, gpu)\n", "even the first step needs"),
         Mistake(_PROJECT_HEAD + _measured(32, 2) + "project = (model, gpu)\n", "got a pair"),
         Mistake(_PROJECT_HEAD + _measured(32, 2, budget="1GiB") + "project = (model, optimizer, batch_size, gpu)\n",
                 "a bigger budget than allowed"),

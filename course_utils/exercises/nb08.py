@@ -1,9 +1,9 @@
 """Exercises of notebook 08, "More than one GPU".
 
-08.1 shard a dataset by rank (every sample on a rank, the same count on every rank), 08.2 the learning rate of a
-configuration (global batch, linear scaling, warm-up), 08.3 which snippets make the replicas drift apart (the key is
-checked for real on 2 processes by tests/test_nb08_demos.py), 08.4 gradient accumulation under DDP with `no_sync()`
-(checked on a process group of one process in this process, all-reduces counted with a comm hook), 08.5 the
+08.1 the learning rate of a configuration (global batch, linear scaling, warm-up), 08.2 shard a dataset by rank
+(every sample on a rank, the same count on every rank), 08.3 gradient accumulation under DDP with `no_sync()`
+(checked on a process group of one process in this process, all-reduces counted with a comm hook), 08.4 which
+snippets make the replicas drift apart (the key is checked for real on 2 processes by tests/test_nb08_demos.py), 08.5 the
 number of steps between checkpoints for a failure rate and a save's cost (Young's approximation), judged by the
 exact expected time lost (course_utils.failures, which tests/test_failures.py checks against a simulation).
 """
@@ -24,7 +24,7 @@ from .. import failures
 from ..i18n import N_, _
 from .core import Exercise, Incorrect, Mistake, call, describe, register
 
-# --- 08.1 shard a dataset by rank --------------------------------------------------------------------
+# --- 08.2 shard a dataset by rank --------------------------------------------------------------------
 
 
 def reference_shards(n: int, world_size: int) -> list[list[int]]:
@@ -135,7 +135,7 @@ _SHARD_SOLUTION = _SHARD_HEAD + (
     "    return indices[rank:total:world_size]\n")
 
 register(Exercise(
-    id="08.1", title=N_("Shard a dataset by rank"), answer="shard_indices",
+    id="08.2", title=N_("Shard a dataset by rank"), answer="shard_indices",
     blank=_SHARD_HEAD + "    raise NotImplementedError  # your code here\n",
     solution=_SHARD_SOLUTION,
     setup="import math\n\nimport torch\n",
@@ -166,7 +166,7 @@ register(Exercise(
 ))
 
 
-# --- 08.2 the learning rate of a configuration --------------------------------------------------------
+# --- 08.1 the learning rate of a configuration --------------------------------------------------------
 
 def reference_lr(step, base_lr, base_batch, world_size, batch_per_process, accumulate, warmup_steps) -> float:
     target = base_lr * world_size * batch_per_process * accumulate / base_batch
@@ -248,7 +248,7 @@ _LR_NO_WARMUP = ("    if step < warmup_steps:\n"
                  "    return target\n")
 
 register(Exercise(
-    id="08.2", title=N_("The learning rate of a configuration"), answer="scaled_lr",
+    id="08.1", title=N_("The learning rate of a configuration"), answer="scaled_lr",
     blank=_LR_HEAD + "    raise NotImplementedError  # your code here\n",
     solution=_LR_SOLUTION,
     setup="import math\n",
@@ -273,7 +273,7 @@ register(Exercise(
 ))
 
 
-# --- 08.3 which snippets make the replicas drift apart ------------------------------------------------
+# --- 08.4 which snippets make the replicas drift apart ------------------------------------------------
 
 # Verified on 2 real processes by course_utils.examples.ddp_demos (mode "diverge"), in tests/test_nb08_demos.py.
 DIVERGING = frozenset("ACG")
@@ -316,7 +316,7 @@ def _check_diverging(answer):
 
 
 register(Exercise(
-    id="08.3", title=N_("Which snippets make the replicas drift apart"), answer="diverging",
+    id="08.4", title=N_("Which snippets make the replicas drift apart"), answer="diverging",
     blank="diverging = ...  # a set of letters, e.g. {\"A\", \"B\"}",
     solution="diverging = {\"A\", \"C\", \"G\"}",
     checker=_check_diverging,
@@ -337,7 +337,7 @@ register(Exercise(
 ))
 
 
-# --- 08.4 accumulation without an all-reduce per micro-batch ------------------------------------------
+# --- 08.3 accumulation without an all-reduce per micro-batch ------------------------------------------
 
 @contextlib.contextmanager
 def one_process_group():
@@ -498,7 +498,7 @@ _ACC_SOLUTION = _ACC_HEAD + (
     "    optimizer.step()\n")
 
 register(Exercise(
-    id="08.4", title=N_("Accumulate without an all-reduce per micro-batch"), answer="accumulate_step",
+    id="08.3", title=N_("Accumulate without an all-reduce per micro-batch"), answer="accumulate_step",
     blank=_ACC_HEAD + "    raise NotImplementedError  # your code here\n",
     solution=_ACC_SOLUTION,
     setup="import torch\n",

@@ -9,6 +9,8 @@
   cached memory afterwards.
 - `estimate_training_memory(...)`: parameters, gradients, optimizer state and activations of one
   training step, computed on fake tensors (no real activation memory is allocated).
+- `profiled_peak(fn, *resident)`: the CPU memory `fn()` really uses at its peak, counted by torch.profiler's
+  allocator events (what the estimator is checked against without a GPU; it shares no code with it).
 - `find_max_batch_size(...)`: doubling then binary search with real training steps.
 - `check_fits(...)`: whether a step will fit in the memory free for it; `MemoryCheck`, the Trainer's callback
   that runs it before the first step and warns with a `MemoryWarning`.
@@ -24,6 +26,7 @@ from .recompute import Checkpointed, checkpoint_sequential_blocks, checkpointed
 from .estimate import MemoryEstimate, estimate_training_memory
 from .limit import limit_gpu_memory
 from .oom import OOM_MESSAGES, FreeMemoryReport, free_memory, is_oom_error
+from .profiled import profiled_peak, resident_bytes
 from .precheck import FitCheck, MemoryCheck, MemoryWarning, check_fits, free_for_training, warn_if_too_big
 from .resilient import ResilientStep, ResilientStepOutOfMemoryError
 from .simulated import MemoryBreakdown, PeakReading, SimulatedGPU, SimulatedOutOfMemoryError, active_simulated_gpu
@@ -35,5 +38,5 @@ __all__ = [
     "MemoryBreakdown", "MemoryEstimate", "PeakReading", "ResilientStep", "ResilientStepOutOfMemoryError", "SimulatedGPU",
     "SimulatedOutOfMemoryError", "Trial", "active_simulated_gpu", "checkpoint_sequential_blocks", "checkpointed",
     "estimate_training_memory", "find_max_batch_size", "format_bytes", "free_memory", "is_oom_error",
-    "limit_gpu_memory", "parse_bytes",
+    "limit_gpu_memory", "parse_bytes", "profiled_peak", "resident_bytes",
 ]

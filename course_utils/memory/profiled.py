@@ -1,0 +1,66 @@
+"""The CPU memory a piece of code really uses, counted by PyTorch's own allocator: the independent measurement that
+`estimate_training_memory` (and `SimulatedGPU`, which shares its bookkeeping) is checked against on a machine
+without a GPU.
+
+    peak = profiled_peak(lambda: train_step(x, y), model, optimizer, x, y)
+
+`torch.profiler.profile(profile_memory=True)` records every allocation and free the CPU allocator makes (c10's
+`reportMemoryUsage`, the same events the profiler's memory views are built from), each with its size and time. The
+peak is what was alive before `fn` ran (`resident`: the storages of the modules, optimizers and tensors given,
+counted once each) plus the largest running total of those events. Nothing here uses the estimator's fake tensors
+or `SimulatedGPU`'s ledger, so an error they share cannot cancel out. CPU tensors only: a CUDA run has
+`torch.cuda.max_memory_allocated` for the same question.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.profiler import ProfilerActivity, profile
+
+__all__ = ["profiled_peak", "resident_bytes"]
+
+
+def resident_bytes(*objects: Any) -> int:
+    """Bytes of the distinct storages behind `objects` (modules: parameters, gradients and buffers; optimizers: their
+    state; tensors; tuples, lists and dicts of these): what is alive before a step starts."""
+    seen: dict[int, int] = {}
+
+    def add(obj: Any) -> None:
+        if isinstance(obj, torch.Tensor):
+            storage = obj.untyped_storage()
+            seen[storage.data_ptr()] = storage.nbytes()
+        elif isinstance(obj, nn.Module):
+            for t in [*obj.parameters(), *obj.buffers(), *(p.grad for p in obj.parameters() if p.grad is not None)]:
+                add(t)
+        elif isinstance(obj, torch.optim.Optimizer):
+            for state in obj.state.values():
+                add(list(state.values()))
+        elif isinstance(obj, dict):
+            add(list(obj.values()))
+        elif isinstance(obj, (list, tuple)):
+            for item in obj:
+                add(item)
+
+    for obj in objects:
+        add(obj)
+    seen.pop(0, None)  # empty storages have no address
+    return sum(seen.values())
+
+
+def profiled_peak(fn: Callable[[], Any], *resident: Any) -> int:
+    """Peak bytes of CPU memory while `fn()` runs: `resident_bytes(*resident)` plus the largest running total of
+    the allocations and frees torch.profiler records during `fn()`."""
+    before = resident_bytes(*resident)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = sorted(((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
+                     if e.name() == "[memory]" and str(e.device_type()).endswith("CPU")),
+                    key=lambda event: event[0])  # by time; equal times keep the order they were recorded in
+    running = peak = 0
+    for _time, nbytes in events:  # a free is a negative size
+        running += nbytes
+        peak = max(peak, running)
+    return before + peak
