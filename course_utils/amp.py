@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .device import as_device
 from .i18n import _
 from .step import TrainStep
 
@@ -37,17 +38,6 @@ _LOW = (torch.bfloat16, torch.float16)
 
 # --- choosing the dtype ------------------------------------------------------------------
 
-def _as_device(device: DeviceLike) -> torch.device:
-    if isinstance(device, torch.device):
-        return device
-    if isinstance(device, str):
-        try:
-            return torch.device(device)
-        except RuntimeError as exc:
-            raise ValueError(_("{device!r} is not a device name (try 'cpu', 'cuda' or 'mps')").format(device=device)) from exc
-    raise TypeError(_("device must be a str or torch.device, got {type}").format(type=type(device).__name__))
-
-
 def choose_dtype(device: DeviceLike) -> torch.dtype:
     """The autocast dtype the course uses on `device`.
 
@@ -57,7 +47,7 @@ def choose_dtype(device: DeviceLike) -> torch.dtype:
     `device`'s index when it has one, else of the current CUDA device.
     MPS: float16. MPS autocast gained bf16 later and only on macOS 14+; fp16 works everywhere.
     """
-    dev = _as_device(device)
+    dev = as_device(device)
     if dev.type == "cpu":
         return torch.bfloat16
     if dev.type == "cuda":
@@ -104,7 +94,7 @@ def _check_usable(dev: torch.device) -> None:
 
 def autocast(device: DeviceLike, dtype: DtypeLike = "auto") -> ContextManager:
     """`torch.amp.autocast` for `device` in `dtype` ("auto": `choose_dtype`); float32 gives a no-op context."""
-    dev = _as_device(device)
+    dev = as_device(device)
     _check_usable(dev)
     low = resolve_dtype(dev, dtype)
     if low == torch.float32:
@@ -167,7 +157,7 @@ class MixedPrecision:
 
     def __init__(self, device: DeviceLike, dtype: DtypeLike = "auto", enabled: bool = True, *,
                  init_scale: float = 2.0 ** 16, growth_interval: int = 2000):
-        self.device = _as_device(device)
+        self.device = as_device(device)
         self.dtype = _dtype_for(self.device, dtype, enabled)
         self.skipped_steps = 0  # optimizer steps a GradScaler skipped because of inf/nan gradients
 
@@ -213,7 +203,7 @@ class MixedPrecision:
 
 def _dtype_for(device: DeviceLike, dtype: DtypeLike, enabled: bool) -> torch.dtype:
     """The dtype a MixedPrecision runs in; checks the device can run it."""
-    dev = _as_device(device)
+    dev = as_device(device)
     _check_usable(dev)
     if enabled:
         return resolve_dtype(dev, dtype)
@@ -336,7 +326,7 @@ def autocast_dtype_table(device: DeviceLike, dtype: DtypeLike = "auto") -> dict[
     versions. Each op runs twice: on float32 activations (the model's input) and on activations
     already in the low dtype (what follows a matmul). Parameters stay float32, as in a module.
     """
-    dev = _as_device(device)
+    dev = as_device(device)
     _check_usable(dev)
     low = resolve_dtype(dev, dtype)
     if low == torch.float32:

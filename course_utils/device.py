@@ -1,4 +1,5 @@
-"""Device selection: `get_device()` picks the best available accelerator (or the one asked for).
+"""Device selection: `get_device()` picks the best available accelerator (or the one asked for); `as_device`
+reads a device argument.
 
 The environment diagnosis (`describe_environment`, `diagnose`, `query_nvml`, `query_torch`, ...) lives
 in `course_utils.environment`.
@@ -12,6 +13,19 @@ import torch
 from .i18n import _
 
 ENV_VAR = "COURSE_DEVICE"
+
+
+def as_device(device: str | torch.device) -> torch.device:
+    """`device` as a torch.device ('cpu', 'cuda:1', a torch.device); a clear ValueError or TypeError otherwise."""
+    if isinstance(device, torch.device):
+        return device
+    if isinstance(device, str):
+        try:
+            return torch.device(device)
+        except RuntimeError as exc:
+            raise ValueError(_("{device!r} is not a device name (try 'cpu', 'cuda' or 'mps')").format(
+                device=device)) from exc
+    raise TypeError(_("device must be a str or torch.device, got {type}").format(type=type(device).__name__))
 
 
 def mps_available() -> bool:

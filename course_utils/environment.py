@@ -20,7 +20,7 @@ from .device import get_device, mps_available
 from .threads import CpuUse, cpu_use
 
 __all__ = [
-    "INTEGRATED_GPUS", "MIN_DRIVER", "EnvironmentReport", "NvmlInfo", "Step", "TorchInfo", "build_supports_gpu",
+    "INTEGRATED_GPUS", "MIN_DRIVER", "EnvironmentReport", "ChecklistItem", "NvmlInfo", "TorchInfo", "build_supports_gpu",
     "describe_environment", "diagnose", "driver_runs_build", "gpu_support_problems", "query_nvml", "query_torch",
 ]
 
@@ -226,80 +226,81 @@ def _cuda_version(text: str | None) -> tuple[int, int] | None:
 
 
 @dataclass
-class Step:
+class ChecklistItem:
+    """One question of the diagnosis, what this machine answered, and whether that answer is fine."""
     question: str
     finding: str
     ok: bool
 
 
-def diagnose(torch_info: TorchInfo, nvml: NvmlInfo, env: dict | None = None) -> list[Step]:
+def diagnose(torch_info: TorchInfo, nvml: NvmlInfo, env: dict | None = None) -> list[ChecklistItem]:
     """The course's checklist for "why is there no GPU?", answered for this machine.
 
     Pure function of its inputs so every branch can be unit-tested with faked answers.
-    Stops adding steps after the first one that explains the problem.
+    Stops adding items after the first one that explains the problem.
     """
     env = dict(os.environ) if env is None else env
-    steps: list[Step] = []
+    checklist: list[ChecklistItem] = []
 
     # 1. Is a driver visible?
     if nvml.available:
         gpus = ", ".join(nvml.gpus) if nvml.gpus else _("no GPUs listed")
-        steps.append(Step(_("Is an NVIDIA driver visible?"),
+        checklist.append(ChecklistItem(_("Is an NVIDIA driver visible?"),
                           _("yes: driver {version} ({gpus})").format(version=nvml.driver_version or "?", gpus=gpus),
                           True))
     else:
-        steps.append(Step(_("Is an NVIDIA driver visible?"),
+        checklist.append(ChecklistItem(_("Is an NVIDIA driver visible?"),
                           _("no: NVML could not be loaded ({error}). Either this machine has no NVIDIA GPU, "
                             "or its driver is not installed or not loaded. `nvidia-smi` in a terminal should list "
                             "the GPU; if it does not, install the driver first.").format(error=nvml.error), False))
 
     # 2. Is this a CPU-only build of torch?
     if torch_info.hip_build:
-        steps.append(Step(_("Is this PyTorch build able to use a GPU?"),
+        checklist.append(ChecklistItem(_("Is this PyTorch build able to use a GPU?"),
                           _("yes: a ROCm (HIP {hip}) build").format(hip=torch_info.hip_build), True))
     elif torch_info.cuda_build is None:
-        steps.append(Step(_("Is this PyTorch build able to use a GPU?"),
+        checklist.append(ChecklistItem(_("Is this PyTorch build able to use a GPU?"),
                           _("no: torch {version} is a CPU-only build (torch.version.cuda is None). "
                             "Reinstall torch with a CUDA build (see the README) if this machine has an NVIDIA GPU."
                             ).format(version=torch_info.version),
                           not nvml.available))
         if nvml.available:
-            return steps
+            return checklist
     else:
-        steps.append(Step(_("Is this PyTorch build able to use a GPU?"),
+        checklist.append(ChecklistItem(_("Is this PyTorch build able to use a GPU?"),
                           _("yes: torch {version} was built with CUDA {cuda}").format(version=torch_info.version,
                                                                                    cuda=torch_info.cuda_build), True))
 
     if not nvml.available:
-        return steps
+        return checklist
 
     # 3. Is the driver new enough for the build's CUDA?
     if torch_info.cuda_build and nvml.cuda_driver_version:
         need = _cuda_version(torch_info.cuda_build)
         ok, why = driver_runs_build(need, nvml.cuda_driver_version, nvml.driver_version)
-        steps.append(Step(_("Is the driver new enough for this build's CUDA?"),
+        checklist.append(ChecklistItem(_("Is the driver new enough for this build's CUDA?"),
                           (_("yes: {why}") if ok else _("no: {why}")).format(why=why), ok))
         if not ok:
-            return steps
+            return checklist
     # 4. Does the build have code for this GPU?
     unsupported = gpu_support_problems(torch_info, nvml)
     if unsupported:
-        steps.append(Step(_("Does this PyTorch build support this GPU?"), unsupported[0], False))
-        return steps
+        checklist.append(ChecklistItem(_("Does this PyTorch build support this GPU?"), unsupported[0], False))
+        return checklist
     if torch_info.arch_list and any(nvml.capabilities):
-        steps.append(Step(_("Does this PyTorch build support this GPU?"),
+        checklist.append(ChecklistItem(_("Does this PyTorch build support this GPU?"),
                           build_supports_gpu(next(c for c in nvml.capabilities if c), torch_info.arch_list,
                                              _cuda_version(torch_info.cuda_build))[1], True))
     # 5. Is the GPU hidden by CUDA_VISIBLE_DEVICES?
     cvd = env.get("CUDA_VISIBLE_DEVICES")
     shown = None if cvd is None else count_visible(cvd, nvml)
     if shown == 0:
-        steps.append(Step(_("Is the GPU hidden by CUDA_VISIBLE_DEVICES?"),
+        checklist.append(ChecklistItem(_("Is the GPU hidden by CUDA_VISIBLE_DEVICES?"),
                           _("yes: CUDA_VISIBLE_DEVICES={value!r} shows none of this machine's {count} GPU(s) "
                             "({why}). Unset it, or name GPUs 0 to {last} or their UUIDs (nvidia-smi -L), and restart "
                             "the kernel.").format(value=cvd, count=len(nvml.gpus), last=max(len(nvml.gpus) - 1, 0),
                                                   why=_hidden_why(cvd)), False))
-        return steps
+        return checklist
     if cvd is None:
         finding = _("no: it is not set")
     elif shown is None:
@@ -307,7 +308,7 @@ def diagnose(torch_info: TorchInfo, nvml: NvmlInfo, env: dict | None = None) -> 
     else:
         finding = _("no: it is {value!r}, which shows {shown} of the {count} GPU(s)").format(
             value=cvd, shown=shown, count=len(nvml.gpus))
-    steps.append(Step(_("Is the GPU hidden by CUDA_VISIBLE_DEVICES?"), finding, True))
+    checklist.append(ChecklistItem(_("Is the GPU hidden by CUDA_VISIBLE_DEVICES?"), finding, True))
 
     if not torch_info.cuda_available:
         if torch_info.cuda_error:
@@ -316,8 +317,8 @@ def diagnose(torch_info: TorchInfo, nvml: NvmlInfo, env: dict | None = None) -> 
         else:
             finding = _("no: the driver and build look right but CUDA failed to initialise. Restart the kernel; if "
                         "it persists, reboot (a driver update needs one).")
-        steps.append(Step(_("Did CUDA start in this process?"), finding, False))
-    return steps
+        checklist.append(ChecklistItem(_("Did CUDA start in this process?"), finding, False))
+    return checklist
 
 
 def _hidden_why(value: str) -> str:
@@ -352,10 +353,10 @@ def gpu_support_problems(torch_info: TorchInfo, nvml: NvmlInfo) -> list[str]:
 class EnvironmentReport:
     """A printable report; `str(report)` is the text, `report.device` the chosen device."""
 
-    def __init__(self, lines: list[str], device: torch.device, steps: list[Step]):
+    def __init__(self, lines: list[str], device: torch.device, checklist: list[ChecklistItem]):
         self.lines = lines
         self.device = device
-        self.steps = steps
+        self.checklist = checklist
 
     def __str__(self) -> str:
         return "\n".join(self.lines)
@@ -401,7 +402,7 @@ def describe_environment(torch_info: TorchInfo | None = None, nvml: NvmlInfo | N
                 version=version, cuda=f"{n.cuda_driver_version[0]}.{n.cuda_driver_version[1]}"))
         else:
             lines.append(_("NVIDIA driver: {version}").format(version=version))
-    steps: list[Step] = []
+    checklist: list[ChecklistItem] = []
     if t.cuda_available and t.device_count:
         from .memory.sizes import format_bytes  # imported here: the memory package is not needed otherwise
 
@@ -417,12 +418,12 @@ def describe_environment(torch_info: TorchInfo | None = None, nvml: NvmlInfo | N
         device = torch.device("mps")
     else:
         device = torch.device("cpu")
-        steps = diagnose(t, n, env)
+        checklist = diagnose(t, n, env)
         lines.append(_("No GPU is usable in this process. Diagnosis for this machine:"))
-        for i, s in enumerate(steps, 1):
+        for i, s in enumerate(checklist, 1):
             lines.append(_("  {number}. {question} {finding}").format(number=i, question=s.question, finding=s.finding))
     if not faked:
         device = get_device()  # honours COURSE_DEVICE, so the report names the device notebooks will use
         lines.append(cpu_load_line(cpu_use(0.5)))
     lines.append(_("The course will use: {device}").format(device=device))
-    return EnvironmentReport(lines, device, steps)
+    return EnvironmentReport(lines, device, checklist)

@@ -40,23 +40,23 @@ def test_asking_for_missing_cuda_says_what_to_do():
 
 
 def test_no_driver_is_reported_first():
-    steps = diagnose(torch_info(), NvmlInfo(False, error="NVML Shared Library Not Found"), env={})
-    assert not steps[0].ok and "NVML Shared Library Not Found" in steps[0].finding
-    assert len(steps) == 2  # nothing more can be learnt without a driver
+    checklist = diagnose(torch_info(), NvmlInfo(False, error="NVML Shared Library Not Found"), env={})
+    assert not checklist[0].ok and "NVML Shared Library Not Found" in checklist[0].finding
+    assert len(checklist) == 2  # nothing more can be learnt without a driver
 
 
 def test_cpu_only_build_with_a_gpu_present_is_the_diagnosis():
-    steps = diagnose(torch_info(cuda_build=None), GOOD_DRIVER, env={})
-    assert steps[0].ok
-    assert not steps[-1].ok and "CPU-only build" in steps[-1].finding
-    assert "README" in steps[-1].finding
+    checklist = diagnose(torch_info(cuda_build=None), GOOD_DRIVER, env={})
+    assert checklist[0].ok
+    assert not checklist[-1].ok and "CPU-only build" in checklist[-1].finding
+    assert "README" in checklist[-1].finding
 
 
 def test_driver_too_old_for_the_build():
     old = NvmlInfo(True, driver_version="470.1", cuda_driver_version=(11, 4), gpus=["Tesla T4"])
-    steps = diagnose(torch_info(cuda_build="12.4"), old, env={})
-    assert not steps[-1].ok
-    assert "11.4" in steps[-1].finding and "12.4" in steps[-1].finding
+    checklist = diagnose(torch_info(cuda_build="12.4"), old, env={})
+    assert not checklist[-1].ok
+    assert "11.4" in checklist[-1].finding and "12.4" in checklist[-1].finding
 
 
 @pytest.mark.parametrize("value, why", [("", "empty"), ("-1", "'-1', is not a GPU index"),
@@ -67,22 +67,22 @@ def test_driver_too_old_for_the_build():
                                         ("GPU-00000000,GPU-00000000", "named twice")])
 def test_gpu_hidden_by_cuda_visible_devices(value, why):
     """Every way a value shows none of the machine's GPUs, as PyTorch reads it, is found, with its cause."""
-    steps = diagnose(torch_info(), UUID_DRIVER, env={"CUDA_VISIBLE_DEVICES": value})
-    assert not steps[-1].ok and "CUDA_VISIBLE_DEVICES" in steps[-1].finding and repr(value) in steps[-1].finding
-    assert why in steps[-1].finding and "2 GPU(s)" in steps[-1].finding
+    checklist = diagnose(torch_info(), UUID_DRIVER, env={"CUDA_VISIBLE_DEVICES": value})
+    assert not checklist[-1].ok and "CUDA_VISIBLE_DEVICES" in checklist[-1].finding and repr(value) in checklist[-1].finding
+    assert why in checklist[-1].finding and "2 GPU(s)" in checklist[-1].finding
 
 
 @pytest.mark.parametrize("value, shown", [("0", 1), ("1,0", 2), ("0,5,1", 1), ("1,-1,0", 1), ("1gpu", 1),
                                           ("GPU-00000001", 1), ("GPU-00000001,GPU-0000000", 1)])
 def test_gpus_shown_by_cuda_visible_devices_are_counted(value, shown):
-    steps = diagnose(torch_info(), UUID_DRIVER, env={"CUDA_VISIBLE_DEVICES": value})
-    step = next(s for s in steps if "CUDA_VISIBLE_DEVICES" in s.question)
+    checklist = diagnose(torch_info(), UUID_DRIVER, env={"CUDA_VISIBLE_DEVICES": value})
+    step = next(s for s in checklist if "CUDA_VISIBLE_DEVICES" in s.question)
     assert step.ok and f"shows {shown} of the 2 GPU(s)" in step.finding
 
 
 def test_mig_devices_in_cuda_visible_devices_are_not_guessed():
-    steps = diagnose(torch_info(), UUID_DRIVER, env={"CUDA_VISIBLE_DEVICES": "MIG-1234"})
-    step = next(s for s in steps if "CUDA_VISIBLE_DEVICES" in s.question)
+    checklist = diagnose(torch_info(), UUID_DRIVER, env={"CUDA_VISIBLE_DEVICES": "MIG-1234"})
+    step = next(s for s in checklist if "CUDA_VISIBLE_DEVICES" in s.question)
     assert step.ok and "not checked here" in step.finding
 
 
@@ -117,9 +117,9 @@ def test_cuda_visible_devices_is_read_as_pytorch_reads_it(monkeypatch):
 def test_everything_looks_right_but_cuda_failed_to_start():
     t = torch_info()
     t.cuda_error = "CUDA unknown error"
-    steps = diagnose(t, GOOD_DRIVER, env={"CUDA_VISIBLE_DEVICES": "0"})
-    assert [s.ok for s in steps[:-1]] == [True] * (len(steps) - 1)
-    assert "CUDA unknown error" in steps[-1].finding
+    checklist = diagnose(t, GOOD_DRIVER, env={"CUDA_VISIBLE_DEVICES": "0"})
+    assert [s.ok for s in checklist[:-1]] == [True] * (len(checklist) - 1)
+    assert "CUDA unknown error" in checklist[-1].finding
 
 
 def test_report_for_a_faked_gpu_less_machine_lists_the_diagnosis():
@@ -135,7 +135,7 @@ def test_real_report_on_this_machine_is_consistent():
     assert torch.__version__ in text
     assert ("CPU-only" in text) == (torch.version.cuda is None and not getattr(torch.version, "hip", None))
     if not t.cuda_available and not t.mps_available:
-        assert report.steps and "Diagnosis for this machine" in text
+        assert report.checklist and "Diagnosis for this machine" in text
     assert report.device == get_device()
     assert n.available or n.error
 
@@ -254,9 +254,9 @@ def test_a_gpu_too_old_for_the_build_is_the_diagnosis():
     t = dataclasses.replace(torch_info(cuda_build="13.0"), arch_list=ARCH_CU130)
     v100 = NvmlInfo(True, driver_version="580.65.06", cuda_driver_version=(13, 0), gpus=["Tesla V100-SXM2-16GB"],
                     capabilities=[(7, 0)])
-    steps = diagnose(t, v100, env={})
-    assert steps[-1].question == "Does this PyTorch build support this GPU?" and not steps[-1].ok
-    assert "Tesla V100" in steps[-1].finding and "too old" in steps[-1].finding
+    checklist = diagnose(t, v100, env={})
+    assert checklist[-1].question == "Does this PyTorch build support this GPU?" and not checklist[-1].ok
+    assert "Tesla V100" in checklist[-1].finding and "too old" in checklist[-1].finding
     fine = dataclasses.replace(v100, gpus=["NVIDIA H100"], capabilities=[(9, 0)])
     assert all(s.ok for s in diagnose(t, fine, env={})[:4])
 

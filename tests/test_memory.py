@@ -696,6 +696,9 @@ def test_find_max_batch_size_finds_the_boundary_and_restores_everything():
     assert sizes[:5] == [16, 32, 64, 128, 256] and 512 in sizes  # doubling, then binary search
     assert all(t.ok == (t.size <= best) for t in result.trials)
     assert all(t.peak_bytes is not None and t.peak_bytes <= budget for t in result.trials)
+    # a failed trial's peak is below the budget; the allocation that did not fit takes it over
+    assert all(t.peak_bytes + t.refused_bytes > budget for t in result.trials if not t.ok)
+    assert all(t.refused_bytes is None for t in result.trials if t.ok)
     oks = [t for t in result.trials if t.ok]
     assert [t.peak_bytes for t in sorted(oks)] == sorted(t.peak_bytes for t in oks)  # grows with size
     assert "fits" in str(result) and "OOM" in str(result)

@@ -21,10 +21,13 @@ from .sizes import BytesLike, format_bytes, pad
 # --- finding the largest batch that fits -------------------------------------------------------
 
 class Trial(NamedTuple):
-    """One trial of `find_max_batch_size`: batch size, whether it fit, peak bytes (None if unknown)."""
+    """One trial of `find_max_batch_size`: batch size, whether it fit, peak bytes (None if unknown), and for a
+    trial that ran out, the allocation that did not fit (None if unknown): the peak of such a trial is what was
+    allocated before it, so it is below the budget."""
     size: int
     ok: bool
     peak_bytes: int | None
+    refused_bytes: int | None = None
 
 
 @dataclass
@@ -44,8 +47,11 @@ class BatchSizeSearch:
             size=self.batch_size, largest=self.largest_ok, more=more)]
         for t in self.trials:
             peak = format_bytes(t.peak_bytes) if t.peak_bytes is not None else "?"
-            lines.append(_("  {size:>7}  {verdict} peak {peak}").format(
-                size=t.size, verdict=pad(_("fits") if t.ok else "OOM", 5), peak=peak))
+            line = _("  {size:>7}  {verdict} peak {peak}").format(
+                size=t.size, verdict=pad(_("fits") if t.ok else "OOM", 5), peak=peak)
+            if t.refused_bytes is not None:
+                line += _(", then {refused} more did not fit").format(refused=format_bytes(t.refused_bytes))
+            lines.append(line)
         return "\n".join(lines)
 
 
@@ -215,9 +221,8 @@ def _search(step: TrainStep, make, start, max_size, steps, sim, dev) -> list[Tri
     trials: list[Trial] = []
 
     def attempt(n: int) -> bool:
-        ok, peak = _trial(step, make, n, steps, sim, dev)
-        trials.append(Trial(n, ok, peak))
-        return ok
+        trials.append(_trial(step, make, n, steps, sim, dev))
+        return trials[-1].ok
 
     lo, hi = 0, None  # largest size that fit, smallest that failed
     n = start
@@ -239,10 +244,10 @@ def _search(step: TrainStep, make, start, max_size, steps, sim, dev) -> list[Tri
     return trials
 
 
-def _trial(step: TrainStep, make, n, steps, sim, dev) -> tuple[bool, int | None]:
+def _trial(step: TrainStep, make, n, steps, sim, dev) -> Trial:
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
-    failed = False
+    failed, refused = False, None
     with sim.measure_peak() if sim is not None else nullcontext() as reading:
         try:
             inputs, targets = make(n)
@@ -253,6 +258,7 @@ def _trial(step: TrainStep, make, n, steps, sim, dev) -> tuple[bool, int | None]
             if not is_oom_error(exc):
                 raise
             failed = True
+            refused = getattr(exc, "requested", None)  # a SimulatedGPU's error says what did not fit (an int)
     # outside the except block: the failed trial's tensors are unreachable now
     step.optimizer.zero_grad(set_to_none=True)
     reset = getattr(step.precision, "reset", None)
@@ -260,6 +266,5 @@ def _trial(step: TrainStep, make, n, steps, sim, dev) -> tuple[bool, int | None]
         reset(step.optimizer)
     if failed:
         free_memory()
-    if sim is not None:
-        return not failed, reading.bytes
-    return not failed, torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else None
+    peak = reading.bytes if sim is not None else torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else None
+    return Trial(n, not failed, peak, refused)
