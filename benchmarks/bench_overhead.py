@@ -105,11 +105,11 @@ def main(jobs: int) -> None:
         print(f"{m}: instructions per step " + ", ".join(f"{c} {v:,.0f}" for c, v in per_step.items()))
         print(f"    course / hand {results[m]['course_over_hand']:.3f} (target <= 1.03), "
               f"course_oom / course {results[m]['oom_over_course']:.3f} (target <= 1.03)")
-    import torch
+    sys.path.insert(0, str(ROOT))
+    from course_utils.timing import stamp
 
     out = ROOT / "benchmarks" / "results" / "overhead_instructions.json"
-    out.write_text(json.dumps({"torch": torch.__version__, "python": sys.version.split()[0], "steps": STEPS,
-                               "models": results}, indent=2) + "\n")
+    out.write_text(json.dumps({"stamp": stamp(), "steps": STEPS, "models": results}, indent=2) + "\n")
     print(f"wrote {out.relative_to(ROOT)}")
 
 
