@@ -5,11 +5,12 @@ differ by 5-10 %, more than the 3 % it is meant to resolve. This benchmark count
 one epoch of 1000 steps under valgrind's callgrind, which counts every machine instruction the process executes
 (Python interpreter, PyTorch's dispatcher and kernels alike). Two runs per contender, one with a single warm-up
 epoch and one with an extra timed epoch; their difference divided by 1000 is the instructions one step costs,
-start-up and import cancelled out. Same model, data, optimizer (SGD with momentum) and thread count (1) as
+start-up and import cancelled out, and the costs of each epoch's start and end spread over its steps. Same model, data, optimizer (SGD with momentum) and thread count (1) as
 bench_peers.py's overhead-bound models:
   linear  nn.Linear(32 -> 10), batch 8
   bn      Linear 32->64, BatchNorm1d, ReLU, Linear 64->10, batch 8 (buffers: what oom_recovery saves each step)
-Contenders: hand (the loop PyTorch's tutorials write, with the epoch's loss summed on the device), course
+Contenders: hand (the loop PyTorch's tutorials write, with the epoch's loss summed on the device in one fused op,
+as the Trainer sums it), course
 (`Trainer(...)(1)`), course_oom (`oom_recovery=True`). Targets (issue 21): course / hand <= 1.03 and
 course_oom / course <= 1.03.
 
@@ -63,7 +64,7 @@ def worker(model_name: str, contender: str, extra_epochs: int) -> None:
                 loss = loss_fn(model(inputs), targets)
                 loss.backward()
                 optimizer.step()
-                total += loss.detach() * len(targets)
+                total.add_(loss.detach(), alpha=len(targets))  # one fused op, as the Trainer's
                 count += len(targets)
             return (total / count).item()
     else:

@@ -98,7 +98,7 @@ class Hand:
             loss = loss_fn(model(x), y)
             loss.backward()
             optimizer.step()
-            total += loss.detach() * len(y)
+            total.add_(loss.detach(), alpha=len(y))  # one fused op, as the Trainer's
             count += len(y)
         return (total / count).item()
 
@@ -133,7 +133,7 @@ if pl is not None:
         def training_step(self, batch, batch_idx):
             x, y = batch
             loss = self.loss_fn(self.model(x), y)
-            self.total += loss.detach() * len(y)
+            self.total.add_(loss.detach(), alpha=len(y))  # one fused op, as the Trainer's
             self.count += len(y)
             return loss
 
@@ -182,7 +182,7 @@ class FabricLoop:
             loss = loss_fn(model(x), y)
             fabric.backward(loss)
             optimizer.step()
-            total += loss.detach() * len(y)
+            total.add_(loss.detach(), alpha=len(y))  # one fused op, as the Trainer's
             count += len(y)
         return (total / count).item()
 
@@ -214,7 +214,7 @@ class AccelerateLoop:
             loss = loss_fn(model(x), y)
             acc.backward(loss)
             optimizer.step()
-            total += loss.detach() * len(y)
+            total.add_(loss.detach(), alpha=len(y))  # one fused op, as the Trainer's
             count += len(y)
         return (total / count).item()
 

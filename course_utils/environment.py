@@ -138,15 +138,16 @@ def driver_runs_build(build: tuple[int, int], driver_cuda: tuple[int, int], driv
                                                                        major=driver_cuda[0])
 
 
-def _arch(name: str) -> tuple[tuple[int, int], str] | None:
-    """'sm_86' -> ((8, 6), 'sm'); 'compute_90' -> ((9, 0), 'compute'); 'sm_90a' -> ((9, 0), 'sm_a');
-    'sm_100f' -> ((10, 0), 'sm')."""
+def _arch(name: str) -> tuple[tuple[int, int], str, str] | None:
+    """'sm_86' -> ((8, 6), 'sm', ''); 'compute_90' -> ((9, 0), 'compute', ''); 'sm_90a' -> ((9, 0), 'sm', 'a');
+    'compute_100f' -> ((10, 0), 'compute', 'f'). 'a' (arch-specific) code runs only on that GPU; 'f' (family) code
+    on the GPUs of its family (the same major version, an equal or higher minor one)."""
     kind, _sep, rest = name.partition("_")
-    digits = rest.rstrip("af")
+    variant = rest[-1] if rest[-1:] in ("a", "f") else ""
+    digits = rest[:-1] if variant else rest
     if kind not in ("sm", "compute") or len(digits) < 2 or not digits.isdigit():
         return None
-    # 'a' (arch-specific) code runs only on that GPU; 'f' (family) code on the family, like plain sm code
-    return (int(digits[:-1]), int(digits[-1])), kind + ("_a" if rest.endswith("a") else "")
+    return (int(digits[:-1]), int(digits[-1])), kind, variant
 
 
 # The integrated GPUs of NVIDIA's Jetson/Tegra chips (Nano 5.3, TX2 6.2, Xavier 7.2, Orin 8.7, Thor 10.1, renamed
@@ -167,6 +168,15 @@ def _machine_code_runs(code: tuple[int, int], gpu: tuple[int, int], cuda_build: 
     return code[0] == gpu[0] and code[1] <= gpu[1]  # same major, equal or higher minor
 
 
+def _ptx_runs(code: tuple[int, int], variant: str, gpu: tuple[int, int]) -> bool:
+    """Can the driver compile PTX built for `code` (compute_XY, compute_XYa, compute_XYf) for a GPU of `gpu`?"""
+    if variant == "a":
+        return code == gpu
+    if variant == "f":
+        return code[0] == gpu[0] and code <= gpu
+    return code <= gpu
+
+
 def build_supports_gpu(capability: tuple[int, int], arch_list: list[str],
                        cuda_build: tuple[int, int] | None = None) -> tuple[bool, str]:
     """Does this build carry code that runs on a GPU of compute `capability`? (ok, why)
@@ -174,50 +184,70 @@ def build_supports_gpu(capability: tuple[int, int], arch_list: list[str],
     Machine code (sm_XY) runs on GPUs of the same major version and an equal or higher minor one, except across
     Jetson (integrated) and discrete GPUs (`INTEGRATED_GPUS`; `cuda_build`, the build's CUDA version, decides
     CUDA 13.2's exception); PTX (compute_XY) is compiled by the driver for any GPU of capability XY or higher
-    (slowly, on first use). Arch-specific variants (sm_90a) run only on exactly that GPU.
+    (slowly, on first use). Arch-specific variants (sm_90a, compute_90a) run only on exactly that GPU, family
+    variants (sm_100f, compute_100f) on the GPUs of the family.
     """
     cc = f"sm_{capability[0]}{capability[1]}"
     archs = [a for a in (_arch(n) for n in arch_list) if a is not None]
-    sms = sorted(v for v, kind in archs if kind == "sm")
-    if any(_machine_code_runs(v, capability, cuda_build) if kind == "sm" else v == capability
-           for v, kind in archs if kind in ("sm", "sm_a")):
+    if any(kind == "sm" and (v == capability if variant == "a" else _machine_code_runs(v, capability, cuda_build))
+           for v, kind, variant in archs):
         return True, _("yes: this build has machine code for {cc} GPUs ({archs})").format(cc=cc,
                                                                                           archs=" ".join(arch_list))
-    if any(kind == "compute" and v <= capability for v, kind in archs):
+    if any(kind == "compute" and _ptx_runs(v, variant, capability) for v, kind, variant in archs):
         return True, _("yes, through PTX: the driver compiles it for {cc} on first use (slow the first time)"
                        ).format(cc=cc)
     listed = " ".join(arch_list) or _("none")
+    versions = [v for v, _kind, _variant in archs]
     if capability in INTEGRATED_GPUS:
-        return False, _("no: this GPU ({cc}) is a Jetson's integrated GPU, which runs only code built for it, and "
-                        "this build has code for {listed}. Install a torch built for Jetson (NVIDIA publishes "
-                        "them for each JetPack release)").format(cc=cc, listed=listed)
-    if sms and capability < sms[0]:
+        return False, _("no: this GPU ({cc}) is a Jetson's integrated GPU, and this build has no code it runs "
+                        "({listed}). Install a torch built for Jetson (NVIDIA publishes them for each JetPack "
+                        "release)").format(cc=cc, listed=listed)
+    if versions and all(v in INTEGRATED_GPUS for v in versions):
+        return False, _("no: this build is for Jetson GPUs (it has code for {listed}), and this GPU ({cc}) is not "
+                        "one. Install a torch built for desktop and data-center GPUs").format(cc=cc, listed=listed)
+    if versions and capability < min(versions):
         return False, _("no: this GPU ({cc}) is too old for this build, which has code for {listed}. Install an "
                         "older torch (or one built for an older CUDA) that still supports it").format(cc=cc,
                                                                                                     listed=listed)
-    return False, _("no: this GPU ({cc}) is newer than anything this build has code for ({listed}). Install a "
-                    "newer torch built for a newer CUDA (pytorch.org's selector lists them); until then it fails "
-                    "with 'no kernel image is available for execution on the device'").format(cc=cc, listed=listed)
+    if not versions or capability > max(versions):
+        return False, _("no: this GPU ({cc}) is newer than anything this build has code for ({listed}). Install a "
+                        "newer torch built for a newer CUDA (pytorch.org's selector lists them); until then it "
+                        "fails with 'no kernel image is available for execution on the device'").format(
+            cc=cc, listed=listed)
+    return False, _("no: this build has no code that runs on {cc} GPUs, although it has code for older and newer "
+                    "ones ({listed}). Install a torch build whose `torch.cuda.get_arch_list()` includes {cc} "
+                    "(pytorch.org's selector lists the builds)").format(cc=cc, listed=listed)
+
+
+def _walk_uuids(named: list[str], uuids: list[str]) -> tuple[list[int], str | None, str]:
+    """Match UUID prefixes to GPUs as torch does (`_transform_uuid_to_ordinals`): (the GPUs found, in order; the
+    prefix that ended the list, or None; why it ended: 'none' matched, 'several' did, or a GPU named 'twice')."""
+    found: list[int] = []
+    for prefix in named:
+        matches = [i for i, uuid in enumerate(uuids) if uuid.startswith(prefix)]
+        if len(matches) != 1:
+            return found, prefix, "none" if not matches else "several"
+        if matches[0] in found:
+            return found, prefix, "twice"
+        found.append(matches[0])
+    return found, None, ""
 
 
 def count_visible(value: str, nvml: NvmlInfo) -> int | None:
-    """How many of this machine's GPUs a CUDA_VISIBLE_DEVICES value shows (None where it cannot be told: MIG
-    devices, or GPUs without known UUIDs). Indices count up to the first one this machine does not have; UUID
-    prefixes up to the first that matches no GPU or more than one, as in torch.cuda.device_count()."""
+    """How many of this machine's GPUs a CUDA_VISIBLE_DEVICES value shows (None where it cannot be told: NVML
+    listed no GPUs, MIG devices, or GPUs without known UUIDs). Indices count up to the first one this machine does
+    not have; UUID prefixes up to the first that matches no GPU or more than one, as in torch.cuda.device_count()."""
     named = nvml_reader.visible_devices(value)
-    if not named or isinstance(named[0], int):
+    if not named:
+        return 0
+    if not nvml.gpus:
+        return None
+    if isinstance(named[0], int):
         return next((i for i, index in enumerate(named) if index >= len(nvml.gpus)), len(named))
     if named[0].startswith("MIG-") or len(nvml.uuids) != len(nvml.gpus):
         return None
-    found: list[int] = []
-    for prefix in named:
-        matches = [i for i, uuid in enumerate(nvml.uuids) if uuid.startswith(prefix)]
-        if len(matches) != 1:
-            break
-        if matches[0] in found:
-            return 0
-        found.append(matches[0])
-    return len(found)
+    found, _prefix, why = _walk_uuids(named, nvml.uuids)
+    return 0 if why == "twice" else len(found)
 
 
 def _cuda_version(text: str | None) -> tuple[int, int] | None:
@@ -299,12 +329,13 @@ def diagnose(torch_info: TorchInfo, nvml: NvmlInfo, env: dict | None = None) -> 
                           _("yes: CUDA_VISIBLE_DEVICES={value!r} shows none of this machine's {count} GPU(s) "
                             "({why}). Unset it, or name GPUs 0 to {last} or their UUIDs (nvidia-smi -L), and restart "
                             "the kernel.").format(value=cvd, count=len(nvml.gpus), last=max(len(nvml.gpus) - 1, 0),
-                                                  why=_hidden_why(cvd)), False))
+                                                  why=_hidden_why(cvd, nvml)), False))
         return checklist
     if cvd is None:
         finding = _("no: it is not set")
     elif shown is None:
-        finding = _("no: it is {value!r} (which GPUs it names is not checked here: MIG slices, or UUIDs NVML did not give)").format(value=cvd)
+        finding = _("no: it is {value!r} (which GPUs it names is not checked here: NVML listed no GPUs or no UUIDs, or it "
+                    "names MIG slices)").format(value=cvd)
     else:
         finding = _("no: it is {value!r}, which shows {shown} of the {count} GPU(s)").format(
             value=cvd, shown=shown, count=len(nvml.gpus))
@@ -321,19 +352,24 @@ def diagnose(torch_info: TorchInfo, nvml: NvmlInfo, env: dict | None = None) -> 
     return checklist
 
 
-def _hidden_why(value: str) -> str:
-    """Why a CUDA_VISIBLE_DEVICES value that names GPUs shows none of them, in words."""
+def _hidden_why(value: str, nvml: NvmlInfo) -> str:
+    """Why a CUDA_VISIBLE_DEVICES value shows none of the machine's GPUs, in words."""
     named = nvml_reader.visible_devices(value)
     first = value.split(",")[0]
     if not value.strip():
         return _("an empty value hides every GPU")
-    if not named and nvml_reader.visible_devices(first):  # the first entry alone names a GPU: a later one repeats a GPU
+    if not named and nvml_reader.visible_devices(first):  # the first entry alone names a GPU: a later one repeats it
         return _("a GPU is named twice, which hides every GPU")
     if not named:
         return _("its first entry, {entry!r}, is not a GPU index, and the list ends there").format(entry=first)
     if isinstance(named[0], int):
         return _("GPU {index} does not exist here, and the list ends there").format(index=named[0])
-    return _("{entry!r} matches no GPU's UUID, or more than one, and the list ends there").format(entry=named[0])
+    _found, prefix, why = _walk_uuids(named, nvml.uuids)
+    if why == "twice":
+        return _("a GPU is named twice, which hides every GPU")
+    if why == "several":
+        return _("{entry!r} matches more than one GPU's UUID, and the list ends there").format(entry=prefix)
+    return _("{entry!r} matches no GPU's UUID, and the list ends there").format(entry=prefix)
 
 
 def gpu_support_problems(torch_info: TorchInfo, nvml: NvmlInfo) -> list[str]:

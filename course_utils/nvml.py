@@ -165,7 +165,8 @@ def visible_devices(value: str) -> list[int] | list[str]:
     """What a CUDA_VISIBLE_DEVICES value names, read as PyTorch reads it (`torch.cuda._parse_visible_devices`, which
     follows CUDA's rules): GPU indices, or UUID prefixes ("GPU-…", "MIG-…"). An entry that is not a number (or a
     negative one) ends the list, as does, for UUIDs, one without the first entry's prefix; a repeated entry hides
-    everything. "" and "-1" name nothing."""
+    everything. "" and "-1" name nothing. Where torch's own parse raises ValueError (a lone sign such as "+", or a
+    character that is a digit to Python but not a decimal one, such as "²"), the entry is read as not a number."""
     for prefix in ("GPU-", "MIG-"):
         if value.startswith(prefix):
             named: list[str] = []

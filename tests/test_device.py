@@ -80,6 +80,28 @@ def test_gpus_shown_by_cuda_visible_devices_are_counted(value, shown):
     assert step.ok and f"shows {shown} of the 2 GPU(s)" in step.finding
 
 
+@pytest.mark.parametrize("value, why", [("GPU-00000000,GPU-00000000-1", "named twice"),
+                                        ("GPU-00000001-2222,GPU-0000000", "'GPU-0000000' matches more than one")])
+def test_two_prefixes_of_one_gpu_and_an_ambiguous_prefix_get_their_own_cause(value, why):
+    checklist = diagnose(torch_info(), UUID_DRIVER, env={"CUDA_VISIBLE_DEVICES": value})
+    if "named twice" in why:
+        assert not checklist[-1].ok and why in checklist[-1].finding
+    else:  # the first prefix names a GPU: one is shown
+        item = next(s for s in checklist if "CUDA_VISIBLE_DEVICES" in s.question)
+        assert item.ok and "shows 1 of the 2" in item.finding
+
+
+def test_cuda_visible_devices_is_not_judged_when_nvml_lists_no_gpus():
+    """NVML answered but listed no GPUs (a device query failed): nothing says which GPUs exist, so the value is not
+    blamed, except one that hides everything whatever the GPUs."""
+    no_list = NvmlInfo(True, driver_version="550.54", cuda_driver_version=(12, 4), gpus=[])
+    for value in ("0", "GPU-aa", "3,1"):
+        item = next(s for s in diagnose(torch_info(), no_list, env={"CUDA_VISIBLE_DEVICES": value})
+                    if "CUDA_VISIBLE_DEVICES" in s.question)
+        assert item.ok and "not checked here" in item.finding, (value, item)
+    assert count_visible("", no_list) == 0 and count_visible("-1", no_list) == 0
+
+
 def test_mig_devices_in_cuda_visible_devices_are_not_guessed():
     checklist = diagnose(torch_info(), UUID_DRIVER, env={"CUDA_VISIBLE_DEVICES": "MIG-1234"})
     step = next(s for s in checklist if "CUDA_VISIBLE_DEVICES" in s.question)
@@ -276,6 +298,23 @@ def test_machine_code_verdicts_are_pytorchs_own(monkeypatch, cuda):
             expected = torch.cuda._code_compatible_with_device(gpu, code)
             got, why = build_supports_gpu(divmod(gpu, 10), [f"sm_{code}"], build)
             assert got is expected, (code, gpu, why)
+
+
+@pytest.mark.parametrize("capability, archs, ok, words", [
+    ((12, 0), ["compute_100f"], False, "newer"),              # family PTX serves its family only (10.0, 10.3)
+    ((10, 3), ["compute_100f"], True, "PTX"),
+    ((9, 0), ["compute_90a"], True, "PTX"),                   # arch-specific PTX: exactly that GPU
+    ((10, 0), ["compute_90a"], False, "newer"),
+    ((9, 0), ["sm_80", "sm_100", "sm_120"], False, "older and newer"),  # a gap in the list, not a too-new GPU
+    ((6, 1), ["sm_50", "sm_70"], False, "older and newer"),
+    ((8, 0), ["sm_90a"], False, "too old"),
+    ((8, 0), ["sm_87"], False, "for Jetson GPUs"),            # a Jetson-only build on a discrete GPU
+])
+def test_ptx_variants_and_the_cause_of_a_missing_code(capability, archs, ok, words):
+    from course_utils.environment import build_supports_gpu
+
+    got, why = build_supports_gpu(capability, archs)
+    assert got is ok and words in why, why
 
 
 def test_a_jetson_is_told_to_get_a_jetson_build():

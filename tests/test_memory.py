@@ -553,6 +553,31 @@ def test_profiled_peak_counts_what_the_allocator_hands_out(monkeypatch):
     assert profiled_peak(fn, kept, view) == 8000 + (5 << 19)
 
 
+def test_profiled_peak_refuses_what_it_cannot_see_and_counts_sparse_gradients(monkeypatch):
+    """A resident storage freed inside fn (gradients set to None at the step's start) is a free the profiler cannot
+    record: refused with the advice, instead of a peak counted twice. Sparse gradients are counted."""
+    monkeypatch.setenv("KINETO_LOG_LEVEL", "6")
+    model = nn.Linear(256, 256, bias=False)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(1, 256)
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        model(x).sum().backward()
+        opt.step()
+
+    step()  # model.weight.grad exists now
+    with pytest.raises(ValueError, match="zero_grad"):
+        profiled_peak(step, model, opt, x)
+    opt.zero_grad(set_to_none=True)
+    before = resident_bytes(model, opt, x)
+    assert profiled_peak(step, model, opt, x) >= before + 256 * 256 * 4  # the new gradient at least
+    emb = nn.Embedding(100, 8, sparse=True)
+    emb(torch.tensor([1, 2, 2])).sum().backward()
+    grad = emb.weight.grad
+    assert resident_bytes(emb) == 100 * 8 * 4 + grad._indices().nbytes + grad._values().nbytes
+
+
 def _mlp():
     return nn.Sequential(nn.Flatten(), nn.Linear(784, 256), nn.ReLU(), nn.Dropout(0.2), nn.Linear(256, 10))
 

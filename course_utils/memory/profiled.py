@@ -10,6 +10,11 @@ peak is what was alive before `fn` ran (`resident`: the storages of the modules,
 counted once each) plus the largest running total of those events. Nothing here uses the estimator's fake tensors
 or `SimulatedGPU`'s ledger, so an error they share cannot cancel out. CPU tensors only: a CUDA run has
 `torch.cuda.max_memory_allocated` for the same question.
+
+Two limits, both from what the profiler records. It sees the allocations of the thread that calls `fn` (not those
+of threads you start, nor of DataLoader worker processes). And it cannot see a free of memory allocated before
+profiling began: if `fn` frees or replaces a resident storage (gradients that `zero_grad(set_to_none=True)` drops,
+say), the peak would be counted too high, so `profiled_peak` refuses; clear such tensors before the call.
 """
 from __future__ import annotations
 
@@ -20,16 +25,30 @@ import torch
 from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
+from ..i18n import _
+from .sizes import format_bytes
+
 __all__ = ["profiled_peak", "resident_bytes"]
 
 
 def resident_bytes(*objects: Any) -> int:
     """Bytes of the distinct storages behind `objects` (modules: parameters, gradients and buffers; optimizers: their
-    state; tensors; tuples, lists and dicts of these): what is alive before a step starts."""
+    state; tensors, sparse ones included; tuples, lists and dicts of these): what is alive before a step starts."""
+    return sum(_storages(objects).values())
+
+
+def _storages(objects: tuple) -> dict[int, int]:
+    """{address: bytes} of the distinct storages behind `objects` (see `resident_bytes`)."""
     seen: dict[int, int] = {}
 
     def add(obj: Any) -> None:
         if isinstance(obj, torch.Tensor):
+            if obj.is_sparse:  # a sparse gradient (nn.Embedding(sparse=True)): its indices and values
+                add([obj._indices(), obj._values()])
+                return
+            if obj.layout != torch.strided:
+                raise TypeError(_("resident_bytes counts strided and sparse COO tensors, not {layout}").format(
+                    layout=obj.layout))
             storage = obj.untyped_storage()
             seen[storage.data_ptr()] = storage.nbytes()
         elif isinstance(obj, nn.Module):
@@ -47,15 +66,24 @@ def resident_bytes(*objects: Any) -> int:
     for obj in objects:
         add(obj)
     seen.pop(0, None)  # empty storages have no address
-    return sum(seen.values())
+    return seen
 
 
 def profiled_peak(fn: Callable[[], Any], *resident: Any) -> int:
     """Peak bytes of CPU memory while `fn()` runs: `resident_bytes(*resident)` plus the largest running total of
-    the allocations and frees torch.profiler records during `fn()`."""
-    before = resident_bytes(*resident)
+    the allocations and frees torch.profiler records during `fn()`. ValueError if `fn` freed or replaced one of the
+    resident storages (the profiler cannot see that free)."""
+    storages = _storages(resident)
+    before = sum(storages.values())
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()
+    gone = sum(n for address, n in storages.items() if address not in _storages(resident))
+    if gone:
+        raise ValueError(_("profiled_peak: the call freed or replaced {size} of the memory given as resident "
+                           "(gradients dropped by zero_grad(set_to_none=True), say). The profiler cannot see frees "
+                           "of memory allocated before it started, so the peak would be counted too high: free "
+                           "those tensors before the call (optimizer.zero_grad(set_to_none=True))").format(
+            size=format_bytes(gone)))
     events = sorted(((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
                      if e.name() == "[memory]" and str(e.device_type()).endswith("CPU")),
                     key=lambda event: event[0])  # by time; equal times keep the order they were recorded in
