@@ -38,11 +38,12 @@ MODELS = ("linear", "bn")
 
 
 def worker(model_name: str, contender: str, extra_epochs: int) -> None:
-    """Build the contender, train one warm-up epoch, then `extra_epochs` more: the run valgrind counts."""
+    """Build the contender (bench_peers.py's own `Hand` and `Course`, the same loops it times), train one warm-up
+    epoch, then `extra_epochs` more: the run valgrind counts."""
     import torch
     from torch import nn
 
-    from course_utils import Trainer
+    from bench_peers import Course, Hand  # its optional peers (Lightning, accelerate) load at import: cancelled out
     from course_utils.data import TensorLoader
 
     torch.set_num_threads(1)
@@ -52,28 +53,10 @@ def worker(model_name: str, contender: str, extra_epochs: int) -> None:
         model = nn.Linear(32, 10)
     else:
         model = nn.Sequential(nn.Linear(32, 64), nn.BatchNorm1d(64), nn.ReLU(), nn.Linear(64, 10))
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    loss_fn = nn.CrossEntropyLoss()
     loader = TensorLoader(x, y, batch_size=8, shuffle=False)
-    if contender == "hand":
-        def epoch():
-            model.train()
-            total, count = torch.zeros(()), 0
-            for inputs, targets in loader:
-                optimizer.zero_grad(set_to_none=True)
-                loss = loss_fn(model(inputs), targets)
-                loss.backward()
-                optimizer.step()
-                total.add_(loss.detach(), alpha=len(targets))  # one fused op, as the Trainer's
-                count += len(targets)
-            return (total / count).item()
-    else:
-        trainer = Trainer(model, optimizer, loss_fn, loader, device="cpu", oom_recovery=contender == "course_oom")
-
-        def epoch():
-            return trainer(1)[0]
+    run = Hand(model, loader) if contender == "hand" else Course(model, loader, oom_recovery=contender == "course_oom")
     for _ in range(1 + extra_epochs):
-        epoch()
+        run.run()
 
 
 def count(model_name: str, contender: str, extra_epochs: int) -> int:
@@ -120,7 +103,7 @@ if __name__ == "__main__":
     p.add_argument("--jobs", type=int, default=2, help="valgrind runs at a time (one core each)")
     a = p.parse_args()
     if a.worker:
-        sys.path.insert(0, str(ROOT))
+        sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
         worker(a.worker[0], a.worker[1], int(a.worker[2]))
     else:
         main(a.jobs)

@@ -77,7 +77,8 @@ def profiled_peak(fn: Callable[[], Any], *resident: Any) -> int:
     before = sum(storages.values())
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()
-    gone = sum(n for address, n in storages.items() if address not in _storages(resident))
+    after = _storages(resident)
+    gone = sum(n for address, n in storages.items() if address not in after)
     if gone:
         raise ValueError(_("profiled_peak: the call freed or replaced {size} of the memory given as resident "
                            "(gradients dropped by zero_grad(set_to_none=True), say). The profiler cannot see frees "
