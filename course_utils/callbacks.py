@@ -17,7 +17,8 @@ With `accumulate=k`, an optimizer step follows every k batches. A hook may raise
 boundary (the step in progress, all batches of its group, is finished first), so the run stops between two
 optimizer steps and resumes exactly; raised in on_train_start, on_epoch_start or on_epoch_end, it stops before
 the next epoch. A method named like a hook that is not one (`on_step_end`) is never called: the Trainer warns,
-naming the nearest hook. Callbacks run in the order of their `order` attribute
+naming the nearest hook. A callback done with a hook may set it to None (`self.on_batch_start = None`): the
+Trainer's next call leaves it out. Callbacks run in the order of their `order` attribute
 (lower first; the list order among equals), so a scheduler steps before a checkpoint is written whatever
 order they were passed in. `state_dict()` / `load_state_dict()` put a callback's own state in the Trainer's
 checkpoints.
@@ -75,8 +76,9 @@ class Callback:
 
 
 def overridden(callback: Callback, hook: str) -> bool:
-    """Whether `callback` does something at `hook` (its class defines it, not only `Callback`)."""
-    return getattr(type(callback), hook, None) is not getattr(Callback, hook)
+    """Whether `callback` does something at `hook`: its class defines it (not only `Callback`), and the callback
+    has not set it to None since (done with it: the Trainer leaves it out from its next call on)."""
+    return getattr(type(callback), hook, None) is not getattr(Callback, hook) and getattr(callback, hook) is not None
 
 
 def warn_unknown_hooks(callback) -> None:

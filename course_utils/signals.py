@@ -15,31 +15,43 @@ import signal
 import threading
 
 PREEMPTED_EXIT = 128 + signal.SIGTERM  # the status of a process ended by SIGTERM: "stopped from outside, saved"
+# What a process wishes after a step (`DeferredStop.wish`); in a distributed run the largest over ranks wins
+GO_ON, STOP, INTERRUPT, TERMINATE = 0, 1, 2, 3  # STOP: a callback's StopTraining; INTERRUPT: Ctrl-C; SIGTERM
 
 
 class DeferredStop:
     """While active, a first Ctrl-C (SIGINT, also Jupyter's "interrupt kernel") only sets a flag that the
     loop reads between steps, so a step is never cut in half; a second Ctrl-C interrupts at once. SIGTERM (what
-    a cluster scheduler sends before it preempts a job, and torchrun to its workers) is deferred the same way."""
+    a cluster scheduler sends before it preempts a job, and torchrun to its workers) is deferred the same way.
+    `wish` is the largest stop asked for so far, as one int a loop reads at every step: GO_ON, STOP (`stop()`,
+    e.g. a callback's StopTraining), INTERRUPT (Ctrl-C) or TERMINATE (SIGTERM)."""
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
     def __init__(self):
         self.requested = False
         self.terminated = False
+        self.wish = GO_ON
         self._previous: dict = {}
+
+    def stop(self) -> None:
+        """A stop asked for from inside the loop (not a signal): STOP, unless a signal asked for more."""
+        self.wish = max(self.wish, STOP)
 
     def _handler(self, signum, frame):
         if signum == signal.SIGTERM:
             self.requested = self.terminated = True
+            self.wish = TERMINATE
             return
         if self.requested and not self.terminated:  # second Ctrl-C: the learner really wants out now
             signal.signal(signal.SIGINT, self._previous.pop(signal.SIGINT))
             raise KeyboardInterrupt
         self.requested = True
+        self.wish = max(self.wish, INTERRUPT)
 
     def __enter__(self):
         self.requested = self.terminated = False
+        self.wish = GO_ON
         if threading.current_thread() is threading.main_thread():
             self._previous = {s: signal.signal(s, self._handler) for s in self.SIGNALS}
         return self

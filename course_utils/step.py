@@ -11,7 +11,8 @@ change the update: the weighted chunk losses add up to the mean loss of all the 
 gradients add up to its gradient (up to float rounding).
 
 The batch conventions every step shares live here too: `move_batch` (a batch, nested containers kept, to a
-device), `as_pair` (a loader's batch as (inputs, targets), through a `batch_fn` for dict batches), `batch_len`,
+device), `as_pair` (a loader's batch as (inputs, targets), through a `batch_fn` for dict batches), `pair_on` (both),
+`batch_len`,
 `split`, `forward` (tuple inputs as positional arguments, dict inputs as keywords), and `check_optimizer_holds`
 (an optimizer must update the model's own parameters).
 
@@ -81,10 +82,6 @@ def optimizer_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
 def move_batch(batch, device: torch.device, non_blocking: bool = True):
     """Move a batch (a tensor, or a tuple, list, namedtuple or mapping of them, nested) to `device`, keeping
     each container's type. Tensors already there are not copied."""
-    if type(batch) is tuple and len(batch) == 2:  # the usual (inputs, targets): skip the work if already there
-        x, y = batch
-        if isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) and x.device == device and y.device == device:
-            return batch
     if isinstance(batch, torch.Tensor):
         return batch.to(device, non_blocking=non_blocking)
     if isinstance(batch, Mapping):
@@ -110,8 +107,6 @@ def move_batch(batch, device: torch.device, non_blocking: bool = True):
 
 def as_pair(batch, batch_fn=None):
     """(inputs, targets) of one loader batch: `batch_fn(batch)` when given, else the batch itself."""
-    if type(batch) is tuple and len(batch) == 2 and batch_fn is None:  # the usual case: nothing to do
-        return batch
     if batch_fn is not None:
         batch = batch_fn(batch)
     if isinstance(batch, (tuple, list)) and len(batch) == 2:
@@ -127,6 +122,16 @@ def as_pair(batch, batch_fn=None):
         else ""))
 
 
+def pair_on(batch, device: torch.device, batch_fn=None):
+    """(inputs, targets) of one loader batch on `device`: `move_batch(as_pair(batch, batch_fn), device)`, with
+    the usual case (a pair of tensors already there, no batch_fn) answered by one test."""
+    if batch_fn is None and type(batch) is tuple and len(batch) == 2:
+        x, y = batch
+        if isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) and x.device == device and y.device == device:
+            return batch
+    return move_batch(as_pair(batch, batch_fn), device)
+
+
 def check_optimizer_holds(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
     """The optimizer must update the model's own parameters (all of them, or a subset for fine-tuning)."""
     own = {id(p) for p in model.parameters()}
@@ -139,19 +144,16 @@ def check_optimizer_holds(model: nn.Module, optimizer: torch.optim.Optimizer) ->
                            "(a subset, for fine-tuning, is fine)").format(foreign=len(foreign), total=len(params)))
 
 
-def _nothing() -> None:
-    pass
-
-
 class TrainStep:
     """One optimizer step over a group of batches, each optionally cut into chunks.
 
-    `connect(after_backward=..., before_optimizer_step=...)` sets two functions (of no arguments; by default
-    they do nothing) run once per step: after the last backward (gradients complete, still scaled under fp16),
-    and after unscaling and clipping, just before `optimizer.step()`. The Trainer connects its callbacks there.
-    The update is one path: unscale (a no-op but under float16 scaling), clip (chosen once: clipping or not),
-    step. `grad_norm` holds the last step's total gradient norm when clipping (a device tensor: reading it is a
-    CPU-GPU sync).
+    `connect(after_backward=..., before_optimizer_step=...)` sets two functions (of no arguments; None: nothing)
+    run once per step: after the last backward (gradients complete, still scaled under fp16), and after unscaling
+    and clipping, just before `optimizer.step()`. The Trainer connects its callbacks there.
+    The update is one path: unscale (a no-op but under float16 scaling), the functions to run before the
+    optimizer step (clipping when `grad_clip` is set, then the connected hook: each in the list only if there is
+    one, so a plain step runs none), step. `grad_norm` holds the last step's total gradient norm when clipping
+    (a device tensor: reading it is a CPU-GPU sync).
 
     `reduction` says what `loss_fn` returns: "mean" (PyTorch's default) is weighted by chunk size; "sum" is
     added as it is.
@@ -176,11 +178,13 @@ class TrainStep:
         self.optimizer = optimizer
         self.loss_fn = loss_fn
         self.precision = precision
-        self.grad_clip = grad_clip
         self.reduction = reduction
-        self.connect()
+        # float32 (a precision with enabled=False) has no autocast to enter: its loss skips the `with`
+        self._loss = self._autocast_loss if getattr(precision, "enabled", True) else self._plain_loss
         self.grad_norm: torch.Tensor | None = None
-        self.in_optimizer_step = False  # True while unscale/clip/step run: an error there is not the forward's
+        self.in_optimizer_step = False  # True once unscale/clip/step began: an error then is not the forward's
+        self._grad_clip = grad_clip
+        self.connect()
 
     @property
     def grad_clip(self) -> float | None:
@@ -189,12 +193,15 @@ class TrainStep:
     @grad_clip.setter
     def grad_clip(self, value: float | None) -> None:
         self._grad_clip = value
-        self._clip = _nothing if value is None else self._clip_grad_norm  # chosen once, not tested every step
+        self.connect(*self._hooks)
 
-    def connect(self, after_backward: Callable[[], None] = None, before_optimizer_step: Callable[[], None] = None):
-        """The two per-step hooks (None: nothing)."""
-        self.after_backward = after_backward or _nothing
-        self.before_optimizer_step = before_optimizer_step or _nothing
+    def connect(self, after_backward: Callable[[], None] | None = None,
+                before_optimizer_step: Callable[[], None] | None = None) -> None:
+        """The two per-step hooks (None: nothing). Both are kept as lists, chosen here, not tested every step."""
+        self._hooks = (after_backward, before_optimizer_step)
+        self._after_backward = [after_backward] if after_backward is not None else []
+        self._before_step = ([self._clip_grad_norm] if self._grad_clip is not None else []) + \
+            ([before_optimizer_step] if before_optimizer_step is not None else [])
 
     def __call__(self, inputs, targets) -> torch.Tensor:
         """One step on one batch; returns its mean loss (detached, on the device: no sync)."""
@@ -213,8 +220,13 @@ class TrainStep:
             losses = [loss.detach()]
         else:
             losses = self._weighted(batches, chunk_size)
-        self.after_backward()
-        self._update()
+        for fn in self._after_backward:
+            fn()
+        self.in_optimizer_step = True
+        self.precision.unscale_(self.optimizer)  # fp16: gradients back in true units; otherwise nothing
+        for fn in self._before_step:  # clipping, then the hook (a plain step: none)
+            fn()
+        self.precision.step(self.optimizer)
         return losses
 
     def _weighted(self, batches: Sequence[Batch], chunk_size: int | None) -> list[torch.Tensor]:
@@ -243,18 +255,14 @@ class TrainStep:
             losses[b] = part if losses[b] is None else losses[b] + part  # stays on the device: no sync
         return losses
 
-    def _loss(self, inputs, targets) -> torch.Tensor:
+    def _autocast_loss(self, inputs, targets) -> torch.Tensor:
         """Forward and loss of one chunk under the precision's autocast."""
         with self.precision.autocast():
             return self.loss_fn(forward(self.model, inputs), targets)
 
-    def _update(self) -> None:
-        self.in_optimizer_step = True
-        self.precision.unscale_(self.optimizer)  # fp16: gradients back in true units; otherwise nothing
-        self._clip()
-        self.before_optimizer_step()
-        self.precision.step(self.optimizer)
-        self.in_optimizer_step = False
+    def _plain_loss(self, inputs, targets) -> torch.Tensor:
+        """Forward and loss of one chunk, in float32."""
+        return self.loss_fn(forward(self.model, inputs), targets)
 
     def _clip_grad_norm(self) -> None:
         self.grad_norm = nn.utils.clip_grad_norm_(optimizer_params(self.optimizer), self.grad_clip)

@@ -28,15 +28,13 @@ from .checkpoint import CheckpointError, EpochPosition, NonFiniteLossError
 from .device import get_device
 from .loader_state import LoaderState
 from .memory import MemoryCheck, ResilientStep
-from .signals import PREEMPTED_EXIT, DeferredStop
-from .step import TrainStep, as_pair, batch_len, check_optimizer_holds, forward, move_batch
+from .signals import GO_ON, INTERRUPT, PREEMPTED_EXIT, STOP, TERMINATE, DeferredStop
+from .step import TrainStep, batch_len, check_optimizer_holds, forward, move_batch, pair_on
 from .i18n import _
 
 __all__ = ["Callback", "CheckpointError", "NonFiniteLossError", "StopTraining", "Trainer", "move_batch",
            "read_checkpoint"]
 
-# what a rank wishes after a step; the largest wish over ranks wins (a SIGTERM on one rank preempts them all)
-GO_ON, STOP, INTERRUPT, TERMINATE = 0, 1, 2, 3
 
 
 def read_checkpoint(path, map_location=None) -> dict:
@@ -214,21 +212,20 @@ class Trainer:
         return hooks
 
     def _emit(self, fns: list, *args) -> None:
-        """Call every hook in `fns`. A StopTraining is noted (`_requested`), not raised: the Trainer acts on it at
-        the next step boundary, or at once between epochs, after every hook had the event."""
+        """Call every hook in `fns` (the step's own events loop over theirs in place: an empty list costs no
+        call)."""
         for fn in fns:
-            try:
-                fn(self, *args)
-            except StopTraining as exc:
-                if self._requested is None:
-                    self._requested = _reason(exc)
+            self._call(fn, *args)
 
-    def _wish(self, interrupt) -> int:
-        """This rank's wish after a step: the largest of SIGTERM (TERMINATE), Ctrl-C (INTERRUPT) and StopTraining
-        (STOP)."""
-        if not interrupt.requested and self._requested is None:  # every step but the last: one cheap test
-            return GO_ON
-        return max(TERMINATE * interrupt.terminated, INTERRUPT * interrupt.requested, STOP * (self._requested is not None))
+    def _call(self, fn, *args) -> None:
+        """Call one hook. A StopTraining is noted (`_requested`), not raised: the Trainer acts on it at the next
+        step boundary, or at once between epochs, after every hook had the event."""
+        try:
+            fn(self, *args)
+        except StopTraining as exc:
+            if self._requested is None:
+                self._requested = _reason(exc)
+            self._interrupt.stop()  # this rank's wish (the largest of StopTraining, Ctrl-C, SIGTERM): read per step
 
     def _agreed_reason(self) -> str:
         """The reason of the StopTraining every rank agreed on (raised on this rank or another): a collective,
@@ -239,7 +236,7 @@ class Trainer:
     def _stop_between_epochs(self, fns: list, *args) -> bool:
         """Run the hooks of a point between epochs; True (stop_reason set) if any rank raised StopTraining."""
         self._emit(fns, *args)
-        wish = self._vote.settle(self._wish(self._interrupt))  # once an epoch: a round trip
+        wish = self._vote.settle(self._interrupt.wish)  # once an epoch: a round trip
         if wish == GO_ON:
             return False
         self._preempted = wish == TERMINATE  # a SIGTERM on any rank: every rank saves and exits with 143
@@ -252,7 +249,8 @@ class Trainer:
     def train_epoch(self, interrupt: DeferredStop | None = None, hooks: dict | None = None) -> float | None:
         """Train one epoch; returns its mean loss, or None if it stopped early (its position kept for a resume)."""
         hooks = hooks if hooks is not None else self._connect()
-        interrupt = interrupt if interrupt is not None else DeferredStop()  # never entered: never requested
+        if interrupt is None:  # called on its own: never entered, so only a StopTraining is ever wished
+            interrupt = self._interrupt = DeferredStop()
         self.model.train()
         batches = self._loader.epoch(self.epoch)  # positioned where an interrupted epoch stopped, if one did
         position, self.position = self.position, None
@@ -269,12 +267,12 @@ class Trainer:
         try:
             for group in self._groups(batches, hooks["on_batch_start"]):  # one step's batches
                 self._step(group, hooks["on_after_optimizer_step"], hooks["on_batch_end"])
-                wish = self._vote(self._wish(interrupt))  # another rank's wish arrives a few steps later
+                wish = self._vote(interrupt.wish)  # another rank's wish arrives a few steps later
                 if wish != GO_ON:  # (after the last, smaller group the loader's pass is over: `finished`)
                     return self._stop_inside_epoch(wish, finished=self._pass_over)
         except KeyboardInterrupt:  # a second Ctrl-C, anywhere (maybe inside a step): that step is dropped
             return self._stop_inside_epoch(INTERRUPT)
-        wish = self._vote.settle(self._wish(interrupt))  # epoch end: every rank's last wishes
+        wish = self._vote.settle(interrupt.wish)  # epoch end: every rank's last wishes
         if wish != GO_ON:
             return self._stop_inside_epoch(wish, finished=True)
         if self._samples == 0:
@@ -327,12 +325,13 @@ class Trainer:
         """The epoch's batches as (inputs, targets) on the device, in groups of `accumulate` (one optimizer step
         each; the last group may be smaller), each batch shown to the on_batch_start hooks as it is drawn. No batch
         is drawn beyond the group being trained, so a stop between groups leaves nothing drawn and untrained."""
-        group = []
+        group, device, batch_fn, accumulate = [], self.device, self.batch_fn, self.accumulate
         for batch in batches:
-            batch = move_batch(as_pair(batch, self.batch_fn), self.device)
-            self._emit(batch_start, batch)
+            batch = pair_on(batch, device, batch_fn)
+            for fn in batch_start:
+                self._call(fn, batch)
             group.append(batch)
-            if len(group) == self.accumulate:
+            if len(group) == accumulate:
                 yield group
                 group = []
         self._pass_over = True  # the loader's pass is over (a periodic save now must say so)
@@ -342,7 +341,8 @@ class Trainer:
     def _step(self, group, after_step, batch_end) -> None:
         losses = self.step.group(group)
         self.optimizer_steps += 1
-        self._emit(after_step)
+        for fn in after_step:
+            self._call(fn)
         last = len(group) - 1
         for i, ((_inputs, targets), loss) in enumerate(zip(group, losses)):
             n = batch_len(targets)
@@ -353,7 +353,8 @@ class Trainer:
             self.batches_trained += 1
             self.at_step_boundary = i == last  # the group's last batch: all of the step is counted
             try:
-                self._emit(batch_end, loss)
+                for fn in batch_end:
+                    self._call(fn, loss)
             finally:
                 self.at_step_boundary = False
 
@@ -446,7 +447,7 @@ class Trainer:
         correct = torch.zeros((), device=self.device, dtype=torch.float64)
         count = 0
         for batch in loader:
-            inputs, targets = move_batch(as_pair(batch, self.batch_fn), self.device)
+            inputs, targets = pair_on(batch, self.device, self.batch_fn)
             with self.precision.autocast():
                 logits = forward(self.model, inputs)  # the model itself: no DistributedDataParallel collectives
             total_loss += self.loss_fn(logits.float(), targets) * len(targets)

@@ -161,7 +161,7 @@ def _branches_per_step(make_trainer, skip_functions, skip_files) -> dict:
 def test_a_plain_step_passes_at_most_five_branches_on_how_the_trainer_was_built():
     """fp32, one process, accumulate=1, no callbacks: precision, processes, clipping and hooks are chosen once at
     construction, so a step does not ask about them. Not counted: the helpers that look at what a batch *is*
-    (a tensor, a tuple, a dict: move_batch, as_pair, batch_len, forward) and the loader's own code."""
+    (a tensor, a tuple, a dict: move_batch, as_pair, pair_on, batch_len, forward) and the loader's own code."""
     def maker(**options):
         def make(batches):
             torch.manual_seed(0)
@@ -173,7 +173,7 @@ def test_a_plain_step_passes_at_most_five_branches_on_how_the_trainer_was_built(
             return t
         return make
 
-    skip = dict(skip_functions={"move_batch", "as_pair", "batch_len", "forward"},
+    skip = dict(skip_functions={"move_batch", "as_pair", "pair_on", "batch_len", "forward"},
                 skip_files={"data.py", "loader_state.py"})
     plain = _branches_per_step(maker(), **skip)
     assert sum(plain.values()) <= 5, plain

@@ -107,6 +107,7 @@ class MemoryCheck(Callback):
         if self.checked:
             return
         self.checked = True
+        self.on_batch_start = None  # done: the Trainer's next call does not call it at every batch
         precision = trainer.precision
         self.result = check_fits(trainer.model, trainer.optimizer, batch, trainer.loss_fn, trainer.device,
                                  autocast_dtype=precision.dtype if precision.enabled else None)
