@@ -36,7 +36,8 @@ class DeferredStop:
 
     def stop(self) -> None:
         """A stop asked for from inside the loop (not a signal): STOP, unless a signal asked for more."""
-        self.wish = max(self.wish, STOP)
+        if self.wish < STOP:  # no call between the test and the store: a signal cannot land in between
+            self.wish = STOP
 
     def _handler(self, signum, frame):
         if signum == signal.SIGTERM:
@@ -47,7 +48,8 @@ class DeferredStop:
             signal.signal(signal.SIGINT, self._previous.pop(signal.SIGINT))
             raise KeyboardInterrupt
         self.requested = True
-        self.wish = max(self.wish, INTERRUPT)
+        if self.wish < INTERRUPT:
+            self.wish = INTERRUPT
 
     def __enter__(self):
         self.requested = self.terminated = False

@@ -144,6 +144,21 @@ def check_optimizer_holds(model: nn.Module, optimizer: torch.optim.Optimizer) ->
                            "(a subset, for fine-tuning, is fine)").format(foreign=len(foreign), total=len(params)))
 
 
+def _autocast_loss(step: "TrainStep", inputs, targets) -> torch.Tensor:
+    """Forward and loss of one chunk under the precision's autocast."""
+    with step.precision.autocast():
+        return step.loss_fn(forward(step.model, inputs), targets)
+
+
+def _plain_loss(step: "TrainStep", inputs, targets) -> torch.Tensor:
+    """Forward and loss of one chunk, with no autocast to enter (float32)."""
+    return step.loss_fn(forward(step.model, inputs), targets)
+
+
+def _clip_grad_norm(step: "TrainStep") -> None:
+    step.grad_norm = nn.utils.clip_grad_norm_(optimizer_params(step.optimizer), step.grad_clip)
+
+
 class TrainStep:
     """One optimizer step over a group of batches, each optionally cut into chunks.
 
@@ -177,14 +192,25 @@ class TrainStep:
         self.model = model
         self.optimizer = optimizer
         self.loss_fn = loss_fn
-        self.precision = precision
+        self.precision = precision  # (a property: its setter chooses how the loss is computed)
         self.reduction = reduction
-        # float32 (a precision with enabled=False) has no autocast to enter: its loss skips the `with`
-        self._loss = self._autocast_loss if getattr(precision, "enabled", True) else self._plain_loss
         self.grad_norm: torch.Tensor | None = None
-        self.in_optimizer_step = False  # True once unscale/clip/step began: an error then is not the forward's
+        self.in_optimizer_step = False  # True while unscale/clip/step run: an error there is not the forward's
         self._grad_clip = grad_clip
         self.connect()
+
+    @property
+    def precision(self):
+        return self._precision
+
+    @precision.setter
+    def precision(self, precision) -> None:
+        # A precision whose autocast() is a nullcontext (float32) has nothing to enter: its loss skips the `with`.
+        # Module functions, not bound methods, so that the step holds no reference to itself (no cycle: a dropped
+        # step frees its model and optimizer at once).
+        self._precision = precision
+        self._forward_loss = _plain_loss if isinstance(precision.autocast(), contextlib.nullcontext) \
+            else _autocast_loss
 
     @property
     def grad_clip(self) -> float | None:
@@ -200,8 +226,8 @@ class TrainStep:
         """The two per-step hooks (None: nothing). Both are kept as lists, chosen here, not tested every step."""
         self._hooks = (after_backward, before_optimizer_step)
         self._after_backward = [after_backward] if after_backward is not None else []
-        self._before_step = ([self._clip_grad_norm] if self._grad_clip is not None else []) + \
-            ([before_optimizer_step] if before_optimizer_step is not None else [])
+        self._clips = [_clip_grad_norm] if self._grad_clip is not None else []  # called with the step
+        self._before_step = [before_optimizer_step] if before_optimizer_step is not None else []
 
     def __call__(self, inputs, targets) -> torch.Tensor:
         """One step on one batch; returns its mean loss (detached, on the device: no sync)."""
@@ -215,7 +241,7 @@ class TrainStep:
         self.in_optimizer_step = False
         self.optimizer.zero_grad(set_to_none=True)
         if chunk_size is None and len(batches) == 1:  # the usual step: one whole batch, nothing to weigh
-            loss = self._loss(*batches[0])
+            loss = self._forward_loss(self, *batches[0])
             self.precision.backward(loss)
             losses = [loss.detach()]
         else:
@@ -224,9 +250,12 @@ class TrainStep:
             fn()
         self.in_optimizer_step = True
         self.precision.unscale_(self.optimizer)  # fp16: gradients back in true units; otherwise nothing
-        for fn in self._before_step:  # clipping, then the hook (a plain step: none)
+        for clip in self._clips:  # clipping, then the hook (a plain step: neither)
+            clip(self)
+        for fn in self._before_step:
             fn()
         self.precision.step(self.optimizer)
+        self.in_optimizer_step = False
         return losses
 
     def _weighted(self, batches: Sequence[Batch], chunk_size: int | None) -> list[torch.Tensor]:
@@ -247,25 +276,13 @@ class TrainStep:
         for i, (b, x, y, m) in enumerate(chunks):
             quiet = no_sync() if no_sync is not None and i < len(chunks) - 1 else contextlib.nullcontext()
             with quiet:
-                loss = self._loss(x, y)
+                loss = self._forward_loss(self, x, y)
                 self.precision.backward(loss * (m / total if self.reduction == "mean" else 1.0))  # share of the group
             part = loss.detach()
             if m != sizes[b] and self.reduction == "mean":
                 part = part * (m / sizes[b])  # chunk mean -> its share of the batch mean
             losses[b] = part if losses[b] is None else losses[b] + part  # stays on the device: no sync
         return losses
-
-    def _autocast_loss(self, inputs, targets) -> torch.Tensor:
-        """Forward and loss of one chunk under the precision's autocast."""
-        with self.precision.autocast():
-            return self.loss_fn(forward(self.model, inputs), targets)
-
-    def _plain_loss(self, inputs, targets) -> torch.Tensor:
-        """Forward and loss of one chunk, in float32."""
-        return self.loss_fn(forward(self.model, inputs), targets)
-
-    def _clip_grad_norm(self) -> None:
-        self.grad_norm = nn.utils.clip_grad_norm_(optimizer_params(self.optimizer), self.grad_clip)
 
     def state_dict(self) -> dict:
         """Nothing to save: a TrainStep keeps no state between steps (`ResilientStep` keeps its chunk size)."""

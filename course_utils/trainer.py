@@ -250,7 +250,8 @@ class Trainer:
         """Train one epoch; returns its mean loss, or None if it stopped early (its position kept for a resume)."""
         hooks = hooks if hooks is not None else self._connect()
         if interrupt is None:  # called on its own: never entered, so only a StopTraining is ever wished
-            interrupt = self._interrupt = DeferredStop()
+            interrupt = DeferredStop()
+        self._interrupt = interrupt  # where a callback's StopTraining is noted
         self.model.train()
         batches = self._loader.epoch(self.epoch)  # positioned where an interrupted epoch stopped, if one did
         position, self.position = self.position, None

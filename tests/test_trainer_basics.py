@@ -222,11 +222,72 @@ def test_a_dropped_trainer_is_freed_at_once_with_its_loaders_workers(tmp_path, o
         trainer(1)
         workers = list(loader._iterator._workers)
         assert workers and all(w.is_alive() for w in workers)
-        freed = weakref.ref(trainer)
-        del trainer, loader
+        freed, model_freed = weakref.ref(trainer), weakref.ref(model)
+        del trainer, loader, model, opt
         assert freed() is None, [type(r).__name__ for r in gc.get_referrers(freed())]
+        assert model_freed() is None  # its step held no cycle either: the weights (GPU memory) go with it
         for w in workers:
             w.join(timeout=5)
         assert not any(w.is_alive() for w in workers)
     finally:
         gc.enable()
+
+
+def test_train_epoch_on_its_own_with_a_deferred_stop_of_ones_own_stops_at_a_stoptraining():
+    """A StopTraining is noted on the DeferredStop the epoch reads, also one passed in by the caller."""
+    from course_utils.signals import DeferredStop
+
+    x, y = tiny_data(64)
+    model = SimpleCNN()
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.01), nn.CrossEntropyLoss(),
+                      TensorLoader(x, y, batch_size=16, shuffle=False), device="cpu", callbacks=[StopMidEpoch()])
+    assert trainer.train_epoch(DeferredStop(), trainer._connect()) is None  # stopped: no mean loss
+    assert trainer.batches_trained == 2 and trainer.position.batches_done == 2
+
+
+def test_a_precision_whose_autocast_is_not_a_nullcontext_is_entered_however_it_is_flagged():
+    """The step skips the autocast `with` only for a precision whose autocast() is a nullcontext, chosen again when
+    `step.precision` is replaced."""
+    from course_utils.amp import Float32, MixedPrecision
+    from course_utils.step import TrainStep
+
+    class Bf16(Float32):  # enabled stays False (inherited); its autocast is real
+        def autocast(self):
+            return torch.autocast("cpu", dtype=torch.bfloat16)
+
+    seen = []
+    model = nn.Linear(4, 2)
+    model.register_forward_hook(lambda m, i, out: seen.append(out.dtype))
+    step = TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.1), nn.CrossEntropyLoss(), Bf16("cpu"))
+    x, y = torch.randn(8, 4), torch.randint(0, 2, (8,))
+    step(x, y)
+    step.precision = MixedPrecision("cpu", enabled=False)
+    step(x, y)
+    step.precision = MixedPrecision("cpu", "bf16")
+    step(x, y)
+    assert seen == [torch.bfloat16, torch.float32, torch.bfloat16]
+
+
+def test_the_memory_check_leaves_the_hooks_once_done_but_a_subclass_or_a_recheck_keeps_it():
+    from course_utils.memory import MemoryCheck
+
+    class Counting(MemoryCheck):
+        calls = 0
+
+        def on_batch_start(self, trainer, batch):
+            Counting.calls += 1
+            super().on_batch_start(trainer, batch)
+
+    x, y = tiny_data(64)
+    for check, per_call in ((MemoryCheck(), None), (Counting(), 4)):
+        model = SimpleCNN()
+        trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.01), nn.CrossEntropyLoss(),
+                          TensorLoader(x, y, batch_size=16, shuffle=False), device="cpu", callbacks=[check])
+        trainer(1)
+        trainer(1)
+        hooked = check.on_batch_start in trainer._connect()["on_batch_start"] if check.on_batch_start else False
+        assert hooked == (per_call is not None) and check.checked
+        check.checked = False  # check the next batch again
+        trainer(1)
+        assert check.checked
+    assert Counting.calls == 12  # its own hook ran at every batch of the three calls

@@ -103,11 +103,23 @@ class MemoryCheck(Callback):
         self.result: FitCheck | None = None
         self.checked = False
 
+    @property
+    def checked(self) -> bool:
+        """Whether the first batch was checked; set it to False to check the next batch again."""
+        return self._checked
+
+    @checked.setter
+    def checked(self, value: bool) -> None:
+        self._checked = value
+        if value and type(self).on_batch_start is MemoryCheck.on_batch_start:
+            self.on_batch_start = None  # done: the Trainer's next call leaves this hook out (no call every batch)
+        else:  # to check again, or a subclass's own on_batch_start: keep the hook
+            self.__dict__.pop("on_batch_start", None)
+
     def on_batch_start(self, trainer, batch) -> None:
         if self.checked:
             return
         self.checked = True
-        self.on_batch_start = None  # done: the Trainer's next call does not call it at every batch
         precision = trainer.precision
         self.result = check_fits(trainer.model, trainer.optimizer, batch, trainer.loss_fn, trainer.device,
                                  autocast_dtype=precision.dtype if precision.enabled else None)
