@@ -34,12 +34,12 @@ __all__ = ["profiled_peak", "resident_bytes"]
 def resident_bytes(*objects: Any) -> int:
     """Bytes of the distinct storages behind `objects` (modules: parameters, gradients and buffers; optimizers: their
     state; tensors, sparse ones included; tuples, lists and dicts of these): what is alive before a step starts."""
-    return sum(_storages(objects).values())
+    return sum(storage.nbytes() for storage in _storages(objects).values())
 
 
-def _storages(objects: tuple) -> dict[int, int]:
-    """{address: bytes} of the distinct storages behind `objects` (see `resident_bytes`)."""
-    seen: dict[int, int] = {}
+def _storages(objects: tuple) -> dict[int, torch.UntypedStorage]:
+    """{address: storage} of the distinct storages behind `objects` (see `resident_bytes`)."""
+    seen: dict[int, torch.UntypedStorage] = {}
 
     def add(obj: Any) -> None:
         if isinstance(obj, torch.Tensor):
@@ -50,7 +50,7 @@ def _storages(objects: tuple) -> dict[int, int]:
                 raise TypeError(_("resident_bytes counts strided and sparse COO tensors, not {layout}").format(
                     layout=obj.layout))
             storage = obj.untyped_storage()
-            seen[storage.data_ptr()] = storage.nbytes()
+            seen[storage.data_ptr()] = storage
         elif isinstance(obj, nn.Module):
             for t in [*obj.parameters(), *obj.buffers(), *(p.grad for p in obj.parameters() if p.grad is not None)]:
                 add(t)
@@ -73,12 +73,14 @@ def profiled_peak(fn: Callable[[], Any], *resident: Any) -> int:
     """Peak bytes of CPU memory while `fn()` runs: `resident_bytes(*resident)` plus the largest running total of
     the allocations and frees torch.profiler records during `fn()`. ValueError if `fn` freed or replaced one of the
     resident storages (the profiler cannot see that free)."""
+    # Held during the call: a resident storage that fn drops stays allocated, so no new tensor can take its
+    # address and the drop is seen below (a freed gradient's block is often reused for the next one at once).
     storages = _storages(resident)
-    before = sum(storages.values())
+    before = sum(storage.nbytes() for storage in storages.values())
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()
     after = _storages(resident)
-    gone = sum(n for address, n in storages.items() if address not in after)
+    gone = sum(storage.nbytes() for address, storage in storages.items() if address not in after)
     if gone:
         raise ValueError(_("profiled_peak: the call freed or replaced {size} of the memory given as resident "
                            "(gradients dropped by zero_grad(set_to_none=True), say). The profiler cannot see frees "
