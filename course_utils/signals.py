@@ -29,10 +29,18 @@ class DeferredStop:
     SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
     def __init__(self):
-        self.requested = False
-        self.terminated = False
         self.wish = GO_ON
         self._previous: dict = {}
+
+    @property
+    def requested(self) -> bool:
+        """A Ctrl-C or a SIGTERM arrived."""
+        return self.wish >= INTERRUPT
+
+    @property
+    def terminated(self) -> bool:
+        """A SIGTERM arrived."""
+        return self.wish == TERMINATE
 
     def stop(self) -> None:
         """A stop asked for from inside the loop (not a signal): STOP, unless a signal asked for more."""
@@ -41,18 +49,15 @@ class DeferredStop:
 
     def _handler(self, signum, frame):
         if signum == signal.SIGTERM:
-            self.requested = self.terminated = True
             self.wish = TERMINATE
             return
-        if self.requested and not self.terminated:  # second Ctrl-C: the learner really wants out now
+        if self.wish == INTERRUPT:  # second Ctrl-C: the learner really wants out now
             signal.signal(signal.SIGINT, self._previous.pop(signal.SIGINT))
             raise KeyboardInterrupt
-        self.requested = True
         if self.wish < INTERRUPT:
             self.wish = INTERRUPT
 
     def __enter__(self):
-        self.requested = self.terminated = False
         self.wish = GO_ON
         if threading.current_thread() is threading.main_thread():
             self._previous = {s: signal.signal(s, self._handler) for s in self.SIGNALS}

@@ -12,8 +12,7 @@ gradients add up to its gradient (up to float rounding).
 
 The batch conventions every step shares live here too: `move_batch` (a batch, nested containers kept, to a
 device), `as_pair` (a loader's batch as (inputs, targets), through a `batch_fn` for dict batches), `pair_on` (both),
-`batch_len`,
-`split`, `forward` (tuple inputs as positional arguments, dict inputs as keywords), and `check_optimizer_holds`
+`batch_len`, `split`, `forward` (tuple inputs as positional arguments, dict inputs as keywords), and `check_optimizer_holds`
 (an optimizer must update the model's own parameters).
 
 `precision` is any object with `autocast()`, `backward(loss)`, `unscale_(optimizer)` and `step(optimizer)`;

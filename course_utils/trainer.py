@@ -36,7 +36,6 @@ __all__ = ["Callback", "CheckpointError", "NonFiniteLossError", "StopTraining", 
            "read_checkpoint"]
 
 
-
 def read_checkpoint(path, map_location=None) -> dict:
     """Load a Trainer checkpoint with `weights_only=True`, or raise CheckpointError naming the file."""
     return ckpt.load(path, map_location=map_location)
