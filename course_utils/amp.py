@@ -5,7 +5,8 @@
 - `autocast(device, dtype="auto")`: the matching `torch.amp.autocast` context.
 - `MixedPrecision(device, dtype)`: one of three classes with the same calls, chosen once (`Float32`, `Autocast`
   for bf16, `ScaledFloat16` with a `GradScaler`): `autocast()`, `backward(loss)`, `unscale_(optimizer)`,
-  `step(optimizer)`. `train_step` runs one `course_utils.step.TrainStep` with it (clipping lives there).
+  `step(optimizer)`. `precision_for(option, device)` turns the Trainer's `mixed_precision=` into one.
+  `train_step` runs one `course_utils.step.TrainStep` with it (clipping lives there).
 - `autocast_dtype_table(device)` and `underflow_fraction(grads)`: measurements for the notebook.
 
 Only the device-generic `torch.amp` API is used; the old `torch.cuda.amp` names are deprecated.
@@ -274,6 +275,17 @@ class ScaledFloat16(Autocast):
         """Forget a half-done step: the next backward starts a new step. The scale itself is kept."""
         self._unscaled.discard(id(optimizer))
         self.scaler._per_optimizer_states.pop(id(optimizer), None)
+
+
+def precision_for(mixed_precision: Union[bool, str, torch.dtype, MixedPrecision, None],
+                  device: DeviceLike) -> MixedPrecision:
+    """The Trainer's `mixed_precision=` option as a MixedPrecision: False or None float32 (the same calls, doing
+    nothing extra), True "auto", a dtype or its name, or a MixedPrecision as it is."""
+    if isinstance(mixed_precision, MixedPrecision):
+        return mixed_precision
+    if mixed_precision is False or mixed_precision is None:
+        return MixedPrecision(device, enabled=False)
+    return MixedPrecision(device, "auto" if mixed_precision is True else mixed_precision)
 
 
 def train_step(model: nn.Module, optimizer: torch.optim.Optimizer,

@@ -39,6 +39,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+
+from .epoch import NonFiniteLossError
 from .i18n import _
 
 if TYPE_CHECKING:  # for annotations only: this module does not import the trainer
@@ -98,6 +100,15 @@ def warn_unknown_hooks(callback) -> None:
                             "{near}? The hooks are: {hooks}").format(
                 callback=type(callback).__name__, name=name, near=near[0], hooks=", ".join(HOOKS)),
                 UserWarning, stacklevel=4)
+
+
+def hook_lists(callbacks) -> dict[str, list]:
+    """Every hook's list of the callbacks' bound methods that override it, in `order` (a hook nobody overrides is
+    an empty list: nothing to call, nothing to test for); warns about methods named like a hook that is not one."""
+    ordered = sorted(callbacks, key=lambda cb: getattr(cb, "order", 0))
+    for cb in ordered:
+        warn_unknown_hooks(cb)
+    return {name: [getattr(cb, name) for cb in ordered if overridden(cb, name)] for name in HOOKS}
 
 
 class LRScheduler(Callback):
@@ -181,7 +192,6 @@ class CheckFinite(Callback):
 
     def on_batch_end(self, trainer, loss) -> None:
         if not torch.isfinite(loss):  # CPU-GPU sync point here
-            from .checkpoint import NonFiniteLossError
             raise NonFiniteLossError(_("the loss is {value} at {where} (step {step}): stopped there, before the next "
                                        "step. The optimizer step of this batch has been taken.").format(
                 value=float(loss), where=trainer.where(), step=trainer.optimizer_steps))

@@ -1,44 +1,43 @@
-"""Checkpoint files: written atomically, read safely, every failure named with its file.
+"""Trainer checkpoints: the saved state of a Trainer's named parts, written atomically, read safely, every
+failure named with its file.
 
+- `PARTS`, `COUNTERS`: what a Trainer checkpoint holds besides its callbacks' states and every rank's random and
+  loader state: the state of each named part (`state_dict()` / `load_state_dict()`) and the plain counters.
+- `trainer_state(trainer)` / `load_trainer_state(trainer, state)`: that state gathered by name, and put back all of
+  it or (when anything does not fit: `check_trainer_state`, a ValueError naming why) none of it.
+- `save_trainer(trainer, path)` / `load_trainer(trainer, path)` / `resume(trainer, path)`: the same through a file;
+  non-finite weights are never written (`NonFiniteLossError`).
 - `save(state, path)`: a temporary file in the same folder, flushed to disk (fsync), then renamed over the
   target, so a crash or a Ctrl-C mid-write never leaves a half-written checkpoint.
 - `load(path, map_location)`: `torch.load(weights_only=True)` (no code in the file runs) with a
   `CheckpointError` that names the file for a missing, truncated, corrupt or foreign file, and for tensors
   that cannot be mapped to this machine's device.
-- `rng_state()` / `set_rng_state(state)`: Python's, torch's CPU, CUDA and MPS generators, stored as plain
-  bytes, so no `map_location` can move them to a GPU (where `torch.set_rng_state` would refuse them).
-- `generator_state(g)` / `set_generator_state(g, state)`: the same for one `torch.Generator`.
-- `EpochPosition`: where an interrupted epoch stopped, as a small dataclass (stored as a dict of plain values).
-- `PARTS`, `COUNTERS`, `check_trainer_state(...)`, `match_callbacks(...)`: what a Trainer checkpoint holds (the
-  state of its named parts, its counters, its callbacks' states, every rank's random and loader state), and the
-  check of all of it before a load changes anything.
 
+The trainer is used through its public names only (`course_utils.trainer` imports this module, not the other way).
 Importing this module touches no device.
 """
 from __future__ import annotations
 
-import dataclasses
+import copy
 import glob
+import math
 import os
-import random
 import secrets
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from .epoch import EpochPosition, NonFiniteLossError
 from .errors import first_line
 from .i18n import _
+from .rng import rng_state, set_rng_state
 
 FORMAT = "course_utils.Trainer/3"  # /3: every rank's random and loader state
 
 
 class CheckpointError(RuntimeError):
     """A checkpoint file could not be used (missing, truncated, corrupt, foreign, or not for this device)."""
-
-
-class NonFiniteLossError(FloatingPointError):
-    """Training produced an inf or nan loss, or a checkpoint would have held non-finite weights."""
 
 
 # --- what a checkpoint must match -------------------------------------------------------------
@@ -98,7 +97,7 @@ def check_optimizer_state(optimizer: torch.optim.Optimizer, saved: dict, saved_c
                                                                 mine=tuple(param.shape)))
 
 
-# --- random number generators ------------------------------------------------------------------
+# --- what a Trainer checkpoint holds --------------------------------------------------------------
 
 PARTS = ("model", "optimizer", "precision", "step")  # a Trainer's parts: each has state_dict() / load_state_dict()
 COUNTERS = ("epoch", "batches_trained", "optimizer_steps", "history", "logs")  # a Trainer's plain values
@@ -151,93 +150,123 @@ def check_trainer_state(state: dict, model: torch.nn.Module, optimizer: torch.op
     return mine
 
 
-def _bytes(t: torch.Tensor) -> bytes:
-    return bytes(t.detach().cpu().contiguous().view(torch.uint8).numpy())
+# --- a Trainer's state, gathered by name ------------------------------------------------------------
+
+def _rank_state(trainer) -> dict:
+    """What differs between ranks: the random generators, the loader's position, where the epoch stopped."""
+    position, loader = trainer.position, trainer.loader_state
+    if position is None and trainer.at_step_boundary:  # saving while training: here, inside the epoch
+        position = trainer.tally.position(trainer.batch_in_epoch,
+                                          loader.state_dict(trainer.batch_in_epoch, trainer.tally.pass_over))
+    return {"rng": rng_state(), "loader": position.loader if position is not None else loader.state_dict(),
+            "position": position.to_dict() if position is not None else None}
 
 
-def _tensor(b) -> torch.Tensor:
-    if isinstance(b, torch.Tensor):  # a state saved as a tensor, wherever map_location put it
-        return b.detach().to("cpu", torch.uint8)
-    return torch.frombuffer(bytearray(b), dtype=torch.uint8)
+def _saved_parts(trainer) -> dict:
+    """The state of the trainer's parts, callbacks and counters (the rank-independent part of a checkpoint)."""
+    return {**{name: getattr(trainer, name).state_dict() for name in PARTS},
+            "callbacks": [{"class": type(cb).__name__, "state": cb.state_dict()} for cb in trainer.callbacks],
+            **{name: copy.deepcopy(getattr(trainer, name)) for name in COUNTERS}}
 
 
-def _to_lists(x):
-    return [_to_lists(v) for v in x] if isinstance(x, (tuple, list)) else x
+def _put_parts(trainer, state: dict) -> None:
+    """Load the parts, callbacks and counters of `state` (already checked)."""
+    for name in PARTS:
+        getattr(trainer, name).load_state_dict(state[name])
+    for cb, saved in match_callbacks(trainer.callbacks, state["callbacks"]):
+        cb.load_state_dict(saved)
+    for name in COUNTERS:
+        setattr(trainer, name, copy.deepcopy(state[name]))
 
 
-def _to_tuples(x):
-    return tuple(_to_tuples(v) for v in x) if isinstance(x, list) else x
+def trainer_state(trainer) -> dict:
+    """Everything needed to continue the run exactly: the state of each part in `PARTS`, the callbacks' states,
+    the `COUNTERS`, and for every rank its random generators and loader position (a collective in a distributed
+    run: every rank calls it)."""
+    if trainer.position is not None or trainer.at_step_boundary:
+        trainer.loader_state.warn_if_inexact()
+    return {"format": FORMAT, "optimizer_class": type(trainer.optimizer).__name__, **_saved_parts(trainer),
+            "world_size": trainer.process.world_size,
+            "ranks": trainer.process.gather(_rank_state(trainer))}  # rank 0's first
 
 
-def _numpy_random():
+def load_trainer_state(trainer, state: dict) -> None:
+    """Restore `trainer_state(...)`: all of it or, if anything does not fit, none of it (ValueError naming why)."""
+    process, loader = trainer.process, trainer.loader_state
+    mine = check_trainer_state(state, trainer.model, trainer.optimizer, trainer.callbacks, process.world_size,
+                               process.rank)
+    loader.check(mine["loader"])
+    before = copy.deepcopy(_saved_parts(trainer))  # to put back if anything fails half-way
+    where = (rng_state(), loader.snapshot(), trainer.position, trainer.batch_in_epoch)
     try:
-        import numpy
-    except ImportError:  # numpy is optional for torch
-        return None
-    return numpy.random
+        _put_parts(trainer, state)
+        set_rng_state(mine["rng"])
+        loader.load_state_dict(mine["loader"])
+        trainer.position = EpochPosition.from_dict(mine["position"]) if mine["position"] is not None else None
+        trainer.batch_in_epoch = trainer.position.batches_done if trainer.position is not None else 0
+    except BaseException:  # half-way: put everything back as it was
+        _put_parts(trainer, before)
+        set_rng_state(where[0])
+        loader.restore(where[1])
+        trainer.position, trainer.batch_in_epoch = where[2:]
+        raise
 
 
-def rng_state() -> dict[str, Any]:
-    """The state of every random number generator a training step may draw from, as plain values: Python's,
-    numpy's global one (augmentations often use it), torch's CPU, CUDA and MPS generators."""
-    state: dict[str, Any] = {"python": _to_lists(random.getstate()), "torch": _bytes(torch.get_rng_state())}
-    np_random = _numpy_random()
-    if np_random is not None:
-        name, keys, pos, has_gauss, gauss = np_random.get_state()
-        state["numpy"] = [name, bytes(keys.astype("<u4").tobytes()), int(pos), int(has_gauss), float(gauss)]
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = [_bytes(s) for s in torch.cuda.get_rng_state_all()]
-    mps = getattr(torch, "mps", None)
-    if mps is not None and torch.backends.mps.is_available():
-        state["mps"] = _bytes(mps.get_rng_state())
-    return state
+def _refuse_non_finite(trainer, path: Path) -> None:
+    """Refuse to save non-finite weights or a non-finite running loss (a sync: once per save)."""
+    tensors = [t for t in trainer.model.state_dict().values() if t.is_floating_point()]
+    weights_ok = bool(torch.stack([t.isfinite().all() for t in tensors]).all()) if tensors else True
+    if trainer.position is not None:
+        loss_ok = math.isfinite(trainer.position.loss_sum)
+    else:  # between epochs, or a periodic save while training (the running sum: read once per save)
+        loss_ok = not trainer.at_step_boundary or trainer.precision.scaler is not None \
+            or math.isfinite(trainer.tally.loss_sum.item())
+    if not trainer.process.agree(not (weights_ok and loss_ok)):  # every rank saves, or none (a round trip)
+        return
+    what = _("the weights") if not weights_ok else _("the loss of the interrupted epoch")
+    raise NonFiniteLossError(_("not saving '{name}': {what} are not finite (inf or nan), and a checkpoint must "
+                               "never hold them; the file keeps the last good state.").format(
+        name=path.name, what=what))
 
 
-def set_rng_state(state: dict[str, Any]) -> None:
-    """Restore what `rng_state()` returned. The generators get CPU byte tensors, whatever device a loaded
-    checkpoint was mapped to; a CUDA or MPS state is skipped on a machine without that device."""
-    random.setstate(_to_tuples(state["python"]))
-    torch.set_rng_state(_tensor(state["torch"]))
-    np_random = _numpy_random()
-    if state.get("numpy") is not None and np_random is not None:
-        import numpy
-        name, keys, pos, has_gauss, gauss = state["numpy"]
-        np_random.set_state((name, numpy.frombuffer(bytes(keys), dtype="<u4").astype(numpy.uint32), pos, has_gauss,
-                             gauss))
-    if state.get("cuda") is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all([_tensor(s) for s in state["cuda"]])
-    if state.get("mps") is not None and torch.backends.mps.is_available():
-        torch.mps.set_rng_state(_tensor(state["mps"]))
+def save_trainer(trainer, path) -> Path:
+    """Write `trainer.state_dict()` to `path` with `save` (atomically), unless its weights are not finite. In a
+    distributed run every rank calls it, rank 0 writes the file, and all ranks wait for it (a barrier)."""
+    path = Path(path)
+    _refuse_non_finite(trainer, path)
+    state = trainer.state_dict()
+    if trainer.is_main:
+        save(state, path)
+    trainer.process.barrier()
+    return path
 
 
-def generator_state(generator: torch.Generator) -> bytes:
-    return _bytes(generator.get_state())
+def load_trainer(trainer, path, map_location=None) -> None:
+    """`trainer.load_state_dict` from the file at `path` (tensors mapped to `map_location`, by default the
+    trainer's device); a state that does not fit raises CheckpointError naming the file, and changes nothing."""
+    state = load(path, map_location=map_location if map_location is not None else trainer.device)
+    try:
+        trainer.load_state_dict(state)
+    except (KeyError, RuntimeError, ValueError, TypeError) as exc:
+        raise CheckpointError(_("checkpoint '{path}' does not fit this trainer: {message}").format(
+            path=path, message=exc)) from None
 
 
-def set_generator_state(generator: torch.Generator, state) -> None:
-    generator.set_state(_tensor(state))
-
-
-# --- where an interrupted epoch stopped -----------------------------------------------------------
-
-@dataclasses.dataclass
-class EpochPosition:
-    """Where an interrupted epoch stopped: enough to finish it exactly as the uninterrupted run would."""
-    batches_done: int        # batches of this epoch already trained on
-    samples_done: int        # their samples
-    loss_sum: float          # sum over those samples of their loss (for the epoch's mean)
-    rng: dict[str, Any]      # the generators when it stopped (`rng_state()`)
-    loader: dict[str, Any]   # how to put the loader back there (`course_utils.loader_state.LoaderState`)
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "EpochPosition":
-        names = {f.name for f in dataclasses.fields(cls)}
-        if not isinstance(d, dict) or set(d) != names:
-            raise ValueError(f"an epoch position has the entries {sorted(names)}")
-        return cls(**d)
+def resume(trainer, path: Path) -> None:
+    """Continue from the checkpoint at `path` if it exists, else start fresh (say so): the same command then
+    serves the first launch and every restart (torchrun --max-restarts, a preempted job)."""
+    if not path.exists():
+        if trainer.is_main:
+            print(_("No checkpoint at '{name}' yet: starting from scratch.").format(name=path.name))
+        return
+    try:
+        trainer.load_checkpoint(path)
+    except CheckpointError as exc:  # a restart would fail the same way: say how to get going again
+        raise CheckpointError(_("{error}. resume=True starts fresh only when there is no file: move '{name}' "
+                                "away to start from scratch, or put back a good copy").format(
+            error=str(exc).rstrip("."), name=path.name)) from None
+    if trainer.is_main:
+        print(_("Resumed from '{name}' at {where}.").format(name=path.name, where=trainer.where()))
 
 
 # --- files ----------------------------------------------------------------------------------

@@ -32,8 +32,9 @@ import torch
 from torch.utils.data import (BatchSampler, DataLoader, DistributedSampler, IterableDataset, RandomSampler,
                               SequentialSampler, SubsetRandomSampler, WeightedRandomSampler)
 
-from .checkpoint import generator_state, rng_state, set_generator_state, set_rng_state
+from .errors import learner_stacklevel
 from .i18n import _
+from .rng import generator_state, rng_state, set_generator_state, set_rng_state
 
 _END = object()
 
@@ -249,7 +250,7 @@ class LoaderState:
         caveat = self.caveat()
         if caveat is not None and not self._warned:
             self._warned = True
-            warnings.warn(_("Checkpoint: {caveat}").format(caveat=caveat), stacklevel=4)
+            warnings.warn(_("Checkpoint: {caveat}").format(caveat=caveat), stacklevel=learner_stacklevel())
 
     def snapshot(self) -> dict[str, Any]:
         """What `load_state_dict` may change (this object's fields, the loader's generators), to `restore`."""

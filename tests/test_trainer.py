@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from course_utils import checkpoint as ckpt
+from course_utils import rng
 from course_utils.amp import MixedPrecision
 from course_utils.callbacks import Callback, EarlyStopping, LRScheduler, StopTraining
 from course_utils.data import TensorLoader
@@ -331,14 +331,14 @@ def test_rng_states_are_restored_whatever_device_the_checkpoint_was_mapped_to(tm
     make_trainer(path)(1)
     state = read_checkpoint(path, map_location="meta")  # a non-CPU device: every tensor of the file goes there
     assert state["model"]["net.1.weight"].device.type == "meta"
-    ckpt.set_rng_state(state["ranks"][0]["rng"])  # one entry per rank: a single process has one
+    rng.set_rng_state(state["ranks"][0]["rng"])  # one entry per rank: a single process has one
     a = torch.rand(3)
-    ckpt.set_rng_state(read_checkpoint(path)["ranks"][0]["rng"])
+    rng.set_rng_state(read_checkpoint(path)["ranks"][0]["rng"])
     assert torch.equal(a, torch.rand(3))
     # a state kept as a tensor (what torch.get_rng_state() returns) works too
     saved = torch.get_rng_state()
     b = torch.rand(3)
-    ckpt.set_rng_state({"python": state["ranks"][0]["rng"]["python"], "torch": saved})
+    rng.set_rng_state({"python": state["ranks"][0]["rng"]["python"], "torch": saved})
     assert torch.equal(b, torch.rand(3))
 
 
