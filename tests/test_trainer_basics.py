@@ -88,6 +88,23 @@ def test_callbacks_see_every_batch_with_device_tensors():
     assert events[-1] == "stop" and events.count("epoch1") == 1
 
 
+def test_evaluate_on_its_own_is_the_sample_weighted_mean_over_an_uneven_last_batch():
+    from course_utils.evaluation import evaluate
+    x, y = tiny_data(70)  # batches of 32, 32 and 6: a mean of batch means would weigh the 6 like the 32s
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Flatten(), nn.Linear(784, 10))
+    loss_fn = nn.CrossEntropyLoss()
+    got = evaluate(model, TensorLoader(x, y, 32, shuffle=False), loss_fn)  # device: the model's
+    with torch.no_grad():
+        logits = model(x)
+    assert got["loss"] == pytest.approx(loss_fn(logits, y).item(), rel=1e-6)
+    assert got["accuracy"] == (logits.argmax(1) == y).sum().item() / 70  # float64, as counted
+    batch_means = [loss_fn(model(x[i:i + 32]), y[i:i + 32]).item() for i in range(0, 70, 32)]
+    assert abs(got["loss"] - sum(batch_means) / 3) > 1e-4  # the mean of means is another number
+    with pytest.raises(ValueError, match="no batches"):
+        evaluate(model, [], loss_fn)
+
+
 def test_evaluate_runs_in_eval_mode_and_restores_training_mode():
     x, y = tiny_data()
     torch.manual_seed(0)
