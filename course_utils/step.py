@@ -238,22 +238,23 @@ class TrainStep:
         `chunk_size`: run every batch in chunks of at most that many samples (None: whole batches).
         """
         self.in_optimizer_step = False
+        precision = self._precision
         self.optimizer.zero_grad(set_to_none=True)
         if chunk_size is None and len(batches) == 1:  # the usual step: one whole batch, nothing to weigh
             loss = self._forward_loss(self, *batches[0])
-            self.precision.backward(loss)
+            precision.backward(loss)
             losses = [loss.detach()]
         else:
             losses = self._weighted(batches, chunk_size)
         for fn in self._after_backward:
             fn()
         self.in_optimizer_step = True
-        self.precision.unscale_(self.optimizer)  # fp16: gradients back in true units; otherwise nothing
+        precision.unscale_(self.optimizer)  # fp16: gradients back in true units; otherwise nothing
         for clip in self._clips:  # clipping, then the hook (a plain step: neither)
             clip(self)
         for fn in self._before_step:
             fn()
-        self.precision.step(self.optimizer)
+        precision.step(self.optimizer)
         self.in_optimizer_step = False
         return losses
 
