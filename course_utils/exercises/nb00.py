@@ -186,6 +186,18 @@ _MISTAKES = [
             '        return "gpu too old for this build" if gpu < min(codes) else "gpu too new for this build"\n'
             + _DRIVER_CHECK + '    return "ok"\n',
             "build, then the driver"),
+    # The branch minimum taken as exclusive: a branch-525 driver refused for CUDA 12.
+    Mistake(_DOC + _PARSE +
+            '    if facts["torch_cuda"] is None:\n'
+            '        return "cpu-only build"\n'
+            + _DRIVER_CHECK.replace("branch >= minimum", "branch > minimum") + _GPU_CHECK,
+            "the branch minimum is inclusive"),
+    # Too old or too new decided on the major version alone.
+    Mistake(_DOC + _PARSE +
+            '    if facts["torch_cuda"] is None:\n'
+            '        return "cpu-only build"\n'
+            + _DRIVER_CHECK + _GPU_CHECK.replace("if gpu < min(codes)", "if gpu[0] < min(codes)[0]"),
+            "the whole version, major and minor"),
 ]
 
 # What each mistake means, said when the learner's verdicts follow it (same order as _MISTAKES).
@@ -204,6 +216,19 @@ _EXPLANATIONS = [
        "10.0 GPU (only PTX, compute_XY, is compiled for newer GPUs, and these lists have none)"),
     N_("the GPU was judged before the driver; report the first problem, in the order build, then the driver, then the "
        "GPU: on a driver too old for the build CUDA does not start, so the GPU's code is never tried"),
+    N_("the branch minimum is inclusive: a driver of branch 525 (525.60.13, CUDA 12.0) is new enough for any CUDA "
+       "12 build; the branch must be at least 450, 525 or 580 (>=, not >)"),
+    N_("too old or too new is decided on the whole version, major and minor: a 7.0 GPU is below a build whose oldest "
+       "entry is sm_75, so it is too old, although both have major 7; compare (7, 0) < (7, 5)"),
+]
+
+# Wrong answers that _run_all itself reports (they need no explanation of their verdicts).
+_OTHER_MISTAKES = [
+    # The arch list converted in the caller's dict.
+    Mistake(_SOLUTION.replace(
+        '    codes = [divmod(int(arch[3:]), 10) for arch in facts["arch_list"]]  # "sm_86" -> (8, 6)\n',
+        '    facts["arch_list"] = [divmod(int(arch[3:]), 10) for arch in facts["arch_list"]]  # "sm_86" -> (8, 6)\n'
+        '    codes = facts["arch_list"]\n'), "changed its argument 1"),
 ]
 
 _HELPERS = {"driver_runs_build", "build_supports_gpu", "diagnose", "gpu_support_problems", "describe_environment",
@@ -312,5 +337,5 @@ register(Exercise(
               "dot) of at least 450, 525 or 580 for CUDA 11, 12 or 13."),
            N_("\"sm_86\" is machine code for 8.6: it runs on a GPU with major 8 and minor 6 or more. When no entry "
               "runs, the GPU is too old if it is below the oldest entry, and too new otherwise.")],
-    mistakes=_MISTAKES,
+    mistakes=_MISTAKES + _OTHER_MISTAKES,
 ))

@@ -60,7 +60,16 @@ def _check_scale(Scale):
     if value != 6:
         raise Incorrect(_("Scale(3)(2) should be 6, got {value!r}").format(value=out))
     half = call(call(Scale, 0.5, name="Scale"), 4, name="Scale(0.5)")
-    if _as_float(half, "Scale(0.5)(4)") != 2.0:
+    half_value = _as_float(half, "Scale(0.5)(4)")
+    if half_value == 12.0:
+        raise Incorrect(_("Scale(0.5)(4) returned 12, that is 4 * 3: likely mistake: the factor 3 is written in "
+                          "__call__; multiply by self.factor, the factor this instance was created with"))
+    again = _as_float(call(s, 2, name="Scale(3)"), "Scale(3)(2)")
+    if again != 6:
+        raise Incorrect(_("Scale(3)(2) returned 6 at first, but {value!r} once Scale(0.5) had been created: likely "
+                          "mistake: the factor is kept on the class (Scale.factor = factor), which every instance "
+                          "shares; keep it on the instance (self.factor = factor)").format(value=again))
+    if half_value != 2.0:
         raise Incorrect(_("Scale(0.5)(4) should be 2.0, got {value!r}: is the factor stored per instance?").format(
             value=half))
     t = torch.tensor([1.0, -2.0])
@@ -89,11 +98,42 @@ register(Exercise(
         Mistake(_SCALE_HEAD + "\n    def __call__(self, x):\n        return x\n", "factor is ignored"),
         Mistake(_SCALE_HEAD + "\n    def __call__(self, x):\n        print(x * self.factor)\n",
                 "printing the result instead of returning it"),
+        # in place: fine for a number, but it changes the caller's tensor
+        Mistake(_SCALE_HEAD + "\n    def __call__(self, x):\n        x *= self.factor\n        return x\n",
+                "changed its argument 1"),
+        Mistake("class Scale:\n    def __init__(self, factor):\n        Scale.factor = factor\n\n"
+                "    def __call__(self, x):\n        return x * self.factor\n", "kept on the class"),
+        Mistake(_SCALE_HEAD + "\n    def __call__(self, x):\n        return x * 3\n", "the factor 3 is written"),
     ],
 ))
 
 
 # --- 01.2 state on the instance ---------------------------------------------------------------
+
+def _halving(outs: list[float], xs: tuple) -> bool:
+    """Did each call return (previous result + x) / 2, a mean of means?"""
+    return len(outs) == len(xs) and _close(outs[0], xs[0]) and all(
+        _close(outs[i], (outs[i - 1] + xs[i]) / 2) for i in range(1, len(xs)))
+
+
+def _stores_globals(fn) -> bool:
+    """Does the function (or method) assign to global variables?"""
+    import dis
+
+    code = getattr(getattr(fn, "__func__", fn), "__code__", None)
+    return code is not None and any(ins.opname == "STORE_GLOBAL" for ins in dis.get_instructions(code))
+
+
+def _check_fraction(outs: list[float], what: str) -> None:
+    """`what` called with 1, then 2 returned `outs`: the mean of 1 and 2 is 1.5, not a whole number."""
+    if all(_close(a, b) for a, b in zip(outs, [1.0, 1.5])):
+        return
+    if all(_close(a, b) for a, b in zip(outs, [1.0, 1.0])):
+        raise Incorrect(_("{what} called with 1, then 2 returned {values}, not 1, 1.5: likely mistake: floor division "
+                          "(total // count) drops the fraction; divide with /").format(what=what, values=outs))
+    raise Incorrect(_("{what} called with 1, then 2 should return 1, 1.5 (the mean so far), got {values}").format(
+        what=what, values=outs))
+
 
 def _check_running_mean_class(RunningMean):
     _require_class(RunningMean, "RunningMean")
@@ -111,13 +151,24 @@ def _check_running_mean_class(RunningMean):
         raise Incorrect(_("the calls with 2, 4, 9 returned {values}: each call returns the mean before x was added: "
                           "likely mistake: the mean is computed before self.total and self.count are updated").format(
                               values=outs))
+    if _halving(outs, (2, 4, 9)):
+        raise Incorrect(_("the calls with 2, 4, 9 returned {values}: likely mistake: each number is averaged with the "
+                          "previous mean, (mean + x) / 2, which weighs the latest number as much as all the earlier "
+                          "ones together; keep the total and the count, and return total / count").format(values=outs))
     if not all(_close(a, b) for a, b in zip(outs, [2.0, 3.0, 5.0])):
         raise Incorrect(_("calling with 2, then 4, then 9 should return 2, 3, 5 (the mean so far), got {values}").format(
             values=outs))
     fresh = _as_float(call(call(RunningMean, name="RunningMean"), 10, name="running_mean"), "running_mean(10)")
     if not _close(fresh, 10.0):
+        if _stores_globals(getattr(RunningMean, "__call__", None)):
+            raise Incorrect(_("a new RunningMean() called with 10 returned {value}, not 10: likely mistake: the state "
+                              "is kept in global variables, which every instance shares; keep it on self "
+                              "(self.total, self.count)").format(value=fresh))
         raise Incorrect(_("a new RunningMean() called with 10 returned {value}, not 10: likely mistake: the state "
                           "lives on the class (shared by every instance) instead of on self").format(value=fresh))
+    other = call(RunningMean, name="RunningMean")
+    _check_fraction([_as_float(call(other, x, name="running_mean"), f"running_mean({x})") for x in (1, 2)],
+                    _("a new RunningMean()"))
     return _("each instance keeps its own total and count between calls")
 
 
@@ -147,6 +198,14 @@ register(Exercise(
         Mistake(_RM_HEAD + ("\n    def __call__(self, x):\n        mean = self.total / self.count if self.count else x\n"
                             "        self.total += x\n        self.count += 1\n        return mean\n"),
                 "computed before self.total and self.count are updated"),
+        Mistake(_RM_HEAD + ("\n    def __call__(self, x):\n        self.total += x\n        self.count += 1\n"
+                            "        return self.total // self.count\n"), "floor division"),
+        Mistake(_RM_HEAD + ("\n    def __call__(self, x):\n        if self.count == 0:\n            self.mean = x\n"
+                            "        else:\n            self.mean = (self.mean + x) / 2\n        self.count += 1\n"
+                            "        return self.mean\n"), "averaged with the previous mean"),
+        Mistake("total = 0.0\ncount = 0\n\n\nclass RunningMean:\n    def __call__(self, x):\n"
+                "        global total, count\n        total += x\n        count += 1\n        return total / count\n",
+                "kept in global variables"),
     ],
 ))
 
@@ -186,8 +245,17 @@ def _check_make_running_mean(make_running_mean):
     other = call(make_running_mean, name="make_running_mean")
     fresh = _as_float(call(other, 10, name="running_mean"), "running_mean(10)")
     if not _close(fresh, 10.0):
+        shared = [d for d in (getattr(make_running_mean, "__defaults__", None) or ()) if isinstance(d, (list, dict))]
+        if shared:
+            raise Incorrect(_("a second make_running_mean() called with 10 returned {value}, not 10: likely mistake: "
+                              "a default argument such as values=[] is created once, when `def` runs, and every call "
+                              "of make_running_mean gets that same list; create the state inside "
+                              "make_running_mean").format(value=fresh))
         raise Incorrect(_("a second make_running_mean() called with 10 returned {value}, not 10: each closure "
                           "should have its own state (global variables are shared)").format(value=fresh))
+    third = call(make_running_mean, name="make_running_mean")
+    _check_fraction([_as_float(call(third, x, name="running_mean"), f"running_mean({x})") for x in (1, 2)],
+                    _("a new make_running_mean()"))
     return _("the closure's cells hold the state that an instance would keep in attributes")
 
 
@@ -212,6 +280,14 @@ register(Exercise(
         Mistake("def make_running_mean():\n    total, count = 0.0, 0\n\n    def running_mean(x):\n"
                 "        nonlocal total, count\n        total += x\n        count += 1\n"
                 "        return total / count\n\n    return running_mean()\n", "not call it"),
+        Mistake("def make_running_mean():\n    total, count = 0.0, 0\n\n    def running_mean(x):\n"
+                "        nonlocal total, count\n        total += x\n        count += 1\n"
+                "        return total // count\n\n    return running_mean\n", "floor division"),
+        Mistake("def make_running_mean(values=[]):\n    def running_mean(x):\n        values.append(x)\n"
+                "        return sum(values) / len(values)\n\n    return running_mean\n", "a default argument"),
+        Mistake("total, count = 0.0, 0\n\n\ndef make_running_mean():\n    def running_mean(x):\n"
+                "        global total, count\n        total += x\n        count += 1\n        return total / count\n\n"
+                "    return running_mean\n", "global variables are shared"),
     ],
 ))
 
@@ -241,6 +317,10 @@ def _check_partial(schedule):
         raise Incorrect(_("schedule fixes the positional arguments {args!r}: likely mistake: positional "
                           "arguments to partial fill the *first* parameters (epoch comes first here); give "
                           "base_lr=..., min_lr=..., total_epochs=... by keyword").format(args=schedule.args))
+    if "epoch" in schedule.keywords:
+        raise Incorrect(_("schedule also fixes epoch={value!r}: then schedule(epoch) passes epoch a second time "
+                          "(TypeError: multiple values for argument 'epoch'); leave epoch free and freeze only "
+                          "base_lr, min_lr and total_epochs").format(value=schedule.keywords["epoch"]))
     expected = {"base_lr": 0.1, "min_lr": 0.001, "total_epochs": 20}
     got = {k: schedule.keywords.get(k) for k in expected}
     if got != expected:
@@ -274,6 +354,11 @@ register(Exercise(
         Mistake("schedule = cosine_lr(0, base_lr=0.1, min_lr=0.001, total_epochs=20)\n", "without calling it"),
         Mistake("schedule = partial(cosine_lr, base_lr=0.1, min_lr=0.001, total_epochs=10)\n",
                 "total_epochs=20"),
+        Mistake("schedule = partial(cosine_lr, epoch=0, base_lr=0.1, min_lr=0.001, total_epochs=20)\n",
+                "leave epoch free"),
+        Mistake("schedule = partial(cosine_lr, base_lr=0.001, min_lr=0.1, total_epochs=20)\n",
+                "it should fix base_lr=0.1, min_lr=0.001"),
+        Mistake("schedule = lambda epoch: cosine_lr(epoch, 0.1, 0.001, 20)\n", "not a functools.partial"),
     ],
 ))
 
@@ -316,6 +401,11 @@ def _check_warmup_cosine(WarmupCosine):
                 raise Incorrect(_("warm-up: {label}({epoch}) returned {value:.6g}, expected {expected:.6g} "
                                   "(base_lr * (epoch + 1) / warmup_epochs)").format(
                                       label=label, epoch=e, value=got[e], expected=reference[e]))
+        if not _close(got[warmup], base_lr) and _close(got[warmup], base_lr * (warmup + 1) / warmup):
+            raise Incorrect(_("{label}({epoch}) returned {value:.6g}, base_lr * (epoch + 1) / warmup_epochs: likely "
+                              "mistake: the warm-up runs one epoch too long (epoch <= warmup_epochs); it covers epochs "
+                              "0 to warmup_epochs - 1, and at epoch warmup_epochs the cosine starts, at base_lr = "
+                              "{base_lr}").format(label=label, epoch=warmup, value=got[warmup], base_lr=base_lr))
         if not _close(got[warmup], base_lr):
             raise Incorrect(_("{label}({epoch}) returned {value:.6g}, expected base_lr = {base_lr}: likely "
                               "mistake: the cosine should start at the end of the warm-up, "
@@ -329,6 +419,14 @@ def _check_warmup_cosine(WarmupCosine):
                                       "mistake: the cosine ends at 0 instead of min_lr (add min_lr and scale by "
                                       "base_lr - min_lr)").format(label=label, epoch=e, value=got[e],
                                                                   expected=reference[e]))
+                over_total = min_lr + 0.5 * (base_lr - min_lr) * (1 + math.cos(math.pi * (e - warmup) / total))
+                if _close(got[e], over_total):
+                    raise Incorrect(_("{label}({epoch}) returned {value:.6g}, expected {expected:.6g}: likely "
+                                      "mistake: the progress is divided by total_epochs, so the cosine has not "
+                                      "reached min_lr at total_epochs; it runs over the total_epochs - "
+                                      "warmup_epochs epochs after the warm-up: progress = (epoch - warmup_epochs) / "
+                                      "(total_epochs - warmup_epochs)").format(label=label, epoch=e, value=got[e],
+                                                                               expected=reference[e]))
                 raise Incorrect(_("{label}({epoch}) returned {value:.6g}, expected {expected:.6g} "
                                   "(PyTorch's LinearLR + CosineAnnealingLR give that value)").format(
                                       label=label, epoch=e, value=got[e], expected=reference[e]))
@@ -337,6 +435,18 @@ def _check_warmup_cosine(WarmupCosine):
             raise Incorrect(_("{label} after total_epochs returned {values}: likely mistake: the cosine goes back "
                               "up; the schedule should stay at min_lr from total_epochs on").format(
                                   label=label, values=[round(v, 6) for v in late]))
+        # A fresh schedule asked for epochs out of order: the rate depends on `epoch`, not on the calls before.
+        order = [warmup + 1, 0, total + 2, warmup + 1, warmup - 1]
+        fresh = call(WarmupCosine, base_lr, min_lr, warmup, total, name="WarmupCosine")
+        shuffled = [_as_float(call(fresh, e, name=label), f"{label}({e})") for e in order]
+        expected = [got[e] for e in order]
+        if not all(_close(a, b) for a, b in zip(shuffled, expected)):
+            raise Incorrect(_("a new {label} called with the epochs {order} returned {values}, expected {expected}: "
+                              "likely mistake: the rate depends on the earlier calls (a counter or a rate kept on "
+                              "self and updated at each call) instead of on `epoch` alone; a schedule may be asked "
+                              "for any epoch, in any order (resuming from a checkpoint starts in the middle)").format(
+                label=label, order=order, values=[round(v, 6) for v in shuffled],
+                expected=[round(v, 6) for v in expected]))
     return _("it matches PyTorch's LinearLR + CosineAnnealingLR (SequentialLR) epoch by epoch")
 
 
@@ -374,5 +484,14 @@ register(Exercise(
             "        if epoch >= self.total_epochs:\n            return self.min_lr\n", ""), "stay at min_lr"),
         Mistake(_WC_HEAD + _WC_SOLUTION.replace("self.min_lr + 0.5 * (self.base_lr - self.min_lr)",
                                                 "0.5 * self.base_lr"), "ends at 0 instead of min_lr"),
+        Mistake(_WC_HEAD + _WC_SOLUTION.replace("if epoch < self.warmup_epochs:", "if epoch <= self.warmup_epochs:"),
+                "one epoch too long"),
+        Mistake(_WC_HEAD + "        self.calls = 0\n" + _WC_SOLUTION.replace(
+            "    def __call__(self, epoch):\n",
+            "    def __call__(self, epoch):\n        epoch = self.calls  # the epoch this call stands for\n"
+            "        self.calls += 1\n"), "depends on the earlier calls"),
+        Mistake(_WC_HEAD + _WC_SOLUTION.replace(
+            "(epoch - self.warmup_epochs) / (self.total_epochs - self.warmup_epochs)",
+            "(epoch - self.warmup_epochs) / self.total_epochs"), "divided by total_epochs"),
     ],
 ))

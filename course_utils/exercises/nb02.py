@@ -80,6 +80,28 @@ def _check_record_shapes(record_shapes):
                               "later call of the model would record again").format(left=left))
         if got == expected:
             continue
+        leaves = [n for n, m in model.named_modules() if next(m.children(), None) is None]
+        if ([shape for _n, shape in got] == [shape for _n, shape in expected]
+                and len(expected) > 1 and all(n == leaves[-1] for n, _ in got)):
+            raise Incorrect(_("got {got}: likely mistake: every entry has the name {name!r}, the last leaf's: the hook "
+                              "looks `name` up when it runs, after the loop has ended; bind it when the hook is made, "
+                              "with a default argument (def hook(module, inputs, output, name=name))").format(
+                                  got=got, name=leaves[-1]))
+        children = dict(model.named_children())
+        if ({n for n, _ in got} == set(children)
+                and any(next(m.children(), None) is not None for m in children.values())):
+            raise Incorrect(_("got {got}: likely mistake: only the model's direct children were hooked "
+                              "(named_children()); a child that has children of its own is a container, and its "
+                              "leaves ({missed}) are missed. Walk every module with named_modules() and keep the "
+                              "leaves").format(got=got, missed=", ".join(
+                                  repr(e) for e, _ in expected if e not in children)))
+        names = [n for n, _ in got]
+        if (len(set(names)) == len(names) < len(expected)
+                and set(names) == {e for e, _ in expected}):
+            twice = sorted({e for e, _ in expected if [n for n, _ in expected].count(e) > 1})
+            raise Incorrect(_("got {got}: {twice} runs twice but appears once: likely mistake: a dict keyed by name "
+                              "keeps one entry per module, that of its last call; append (name, shape) to a list, one "
+                              "entry per call").format(got=got, twice=", ".join(repr(n) for n in twice)))
         containers = [n for n, _ in got if n == "" or any(e.startswith(n + ".") for e, _ in expected)]
         if containers:
             raise Incorrect(_("got {got}: likely mistake: containers were hooked too; record only leaf modules "
@@ -89,28 +111,40 @@ def _check_record_shapes(record_shapes):
                               "(module, inputs, output): record output.shape").format(got=got))
         raise Incorrect(_("for {model} and an input of shape (2, 4), expected {expected}, got {got}").format(
             model=type(model).__name__, expected=expected, got=got))
+    raising = _Raising()
+    try:
+        call(record_shapes, raising, torch.ones(2, 4), name="record_shapes", check_mutation=False)
+    except Incorrect:
+        pass  # the error may come through; the hooks must not stay behind
+    if _hooks_left(raising):
+        raise Incorrect(_("when the model's forward raised, record_shapes left its hooks behind: likely mistake: the "
+                          "hooks are removed after model(x), which an exception skips; remove them in a `finally` "
+                          "block"))
     return _("one forward hook per leaf, removed afterwards; note 'act' appears twice: hooks follow calls")
 
+
+_RECORD_SOLUTION = (
+    "def record_shapes(model, x):\n"
+    "    \"\"\"Run model(x) once; return [(name, tuple(output.shape)), ...] for each leaf module call.\"\"\"\n"
+    "    shapes, handles = [], []\n"
+    "    for name, module in model.named_modules():\n"
+    "        if next(module.children(), None) is None:  # a leaf: no submodules\n"
+    "            def hook(mod, inputs, output, name=name):\n"
+    "                shapes.append((name, tuple(output.shape)))\n"
+    "            handles.append(module.register_forward_hook(hook))\n"
+    "    try:\n"
+    "        model(x)\n"
+    "    finally:\n"
+    "        for handle in handles:\n"
+    "            handle.remove()\n"
+    "    return shapes\n")
 
 register(Exercise(
     id="02.1", title=N_("A hook that records activation shapes"), answer="record_shapes",
     blank=("def record_shapes(model, x):\n"
            "    \"\"\"Run model(x) once; return [(name, tuple(output.shape)), ...] for each leaf module call.\"\"\"\n"
            "    raise NotImplementedError  # your code here\n"),
-    solution=("def record_shapes(model, x):\n"
-              "    \"\"\"Run model(x) once; return [(name, tuple(output.shape)), ...] for each leaf module call.\"\"\"\n"
-              "    shapes, handles = [], []\n"
-              "    for name, module in model.named_modules():\n"
-              "        if next(module.children(), None) is None:  # a leaf: no submodules\n"
-              "            def hook(mod, inputs, output, name=name):\n"
-              "                shapes.append((name, tuple(output.shape)))\n"
-              "            handles.append(module.register_forward_hook(hook))\n"
-              "    try:\n"
-              "        model(x)\n"
-              "    finally:\n"
-              "        for handle in handles:\n"
-              "            handle.remove()\n"
-              "    return shapes\n"),
+    solution=_RECORD_SOLUTION,
     setup="import torch\nfrom torch import nn\n",
     checker=_check_record_shapes,
     hints=[N_("model.named_modules() yields (name, module) for every module, the model itself first (name '')."),
@@ -134,6 +168,19 @@ register(Exercise(
                 "            handles.append(module.register_forward_hook(lambda m, i, o, name=name: "
                 "shapes.append((name, tuple(i[0].shape)))))\n    model(x)\n    for h in handles:\n"
                 "        h.remove()\n    return shapes\n", "input shapes"),
+        Mistake(_RECORD_SOLUTION.replace("    try:\n        model(x)\n    finally:\n        for handle in handles:\n"
+                                         "            handle.remove()\n",
+                                         "    model(x)\n    for handle in handles:\n        handle.remove()\n"),
+                "`finally` block"),
+        Mistake(_RECORD_SOLUTION.replace("def hook(mod, inputs, output, name=name):", "def hook(mod, inputs, output):"),
+                "the last leaf's"),
+        Mistake(_RECORD_SOLUTION.replace("    shapes, handles = [], []\n", "    shapes, handles = {}, []\n").replace(
+            "shapes.append((name, tuple(output.shape)))", "shapes[name] = tuple(output.shape)").replace(
+            "    return shapes\n", "    return list(shapes.items())\n"), "a dict keyed by name"),
+        Mistake(_RECORD_SOLUTION.replace("    for name, module in model.named_modules():\n"
+                                         "        if next(module.children(), None) is None:  # a leaf: no submodules\n",
+                                         "    for name, module in model.named_children():\n        if True:\n"),
+                "direct children"),
     ],
 ))
 
@@ -180,6 +227,19 @@ def _check_mlp(MLP):
     keys = sorted(model.state_dict())
     if len(keys) != 4:
         raise Incorrect(_("state_dict() should hold 4 tensors (2 weights, 2 biases), holds {keys}").format(keys=keys))
+    # Other sizes: the layers follow `sizes`, in number and in width.
+    with seeded():
+        deeper = call(MLP, [5, 7, 6, 2], name="MLP", check_mutation=False)
+    linears = [(m.in_features, m.out_features) for m in deeper.modules() if isinstance(m, nn.Linear)]
+    if linears != [(5, 7), (7, 6), (6, 2)]:
+        raise Incorrect(_("MLP([5, 7, 6, 2]) has the Linear layers (in, out) {got}, expected [(5, 7), (7, 6), (6, 2)]: "
+                          "likely mistake: the layers are written out for MLP([4, 8, 3]) (their sizes or their "
+                          "number); make one nn.Linear(a, b) per pair of neighbouring sizes, "
+                          "zip(sizes, sizes[1:])").format(got=linears))
+    out = call(deeper, torch.ones(2, 5), name="MLP([5, 7, 6, 2])", check_mutation=False)
+    if not isinstance(out, torch.Tensor) or tuple(out.shape) != (2, 2):
+        raise Incorrect(_("MLP([5, 7, 6, 2]) applied to a (2, 5) batch should give shape (2, 2), got {value}").format(
+            value=describe(out)))
     return _("parameters(), .double() and state_dict() now all see both layers ({keys})").format(keys=keys)
 
 
@@ -212,6 +272,12 @@ register(Exercise(
                      with_super=False), "super().__init__() is missing"),
         Mistake(_mlp("        layers = nn.ModuleList(nn.Linear(a, b) for a, b in zip(sizes, sizes[1:]))\n"),
                 "local variable"),
+        Mistake(_mlp("        self.layers = nn.ModuleList([nn.Linear(4, 8), nn.Linear(8, 3)])\n"),
+                "written out for MLP([4, 8, 3])"),
+        Mistake(_mlp("        self.layers = nn.ModuleList([nn.Linear(sizes[0], sizes[1]), "
+                     "nn.Linear(sizes[1], sizes[2])])\n"), "written out for MLP([4, 8, 3])"),
+        Mistake(_mlp("        self.layers = nn.ModuleList(nn.Linear(sizes[i], sizes[i + 1]) "
+                     "for i in range(len(sizes) - 2))\n"), "parameter elements"),
     ],
 ))
 
@@ -226,18 +292,27 @@ def _check_normalize(Normalize):
         raise Incorrect(_("Normalize(mean, std) should be an nn.Module, got {value}").format(value=describe(model)))
     x = torch.tensor([[1.0, 2.0, 3.0], [0.0, -1.0, 0.5]])
     out = call(model, x, name="Normalize(mean, std)", check_mutation=False)
+    kept = {n: getattr(model, n, None) for n in ("mean", "std")}
+    converted = {n: t.dtype for n, t in kept.items() if isinstance(t, torch.Tensor) and t.dtype != torch.float32}
+    if converted:
+        raise Incorrect(_("mean and std were given in torch.float32, and the module keeps {converted}: likely mistake: "
+                          "they were converted when stored; store them as given, and .double() or .to() converts them "
+                          "with the module when asked").format(
+                              converted=", ".join(f"{n} in {d}" for n, d in converted.items())))
     if not isinstance(out, torch.Tensor) or out.shape != x.shape or not torch.allclose(out, (x - mean) / std):
         raise Incorrect(_("Normalize(mean, std)(x) should equal (x - mean) / std, got {value}").format(
             value=describe(out)))
     params = dict(model.named_parameters())
     buffers = dict(model.named_buffers())
-    if {"mean", "std"} & set(params):
-        if not any(p.requires_grad for p in params.values()):
-            raise Incorrect(_("mean/std are frozen nn.Parameters: likely mistake: requires_grad=False stops the "
+    as_params = sorted({"mean", "std"} & set(params))
+    if as_params:
+        if not any(params[n].requires_grad for n in as_params):
+            raise Incorrect(_("{names} are frozen nn.Parameters: likely mistake: requires_grad=False stops the "
                               "gradients, but they are still parameters (in parameters(), handed to the optimizer, "
-                              "counted as weights); register them as buffers"))
-        raise Incorrect(_("mean/std are nn.Parameters: likely mistake: that makes them trainable (the optimizer "
-                          "would change them, and they show up in parameters()); register them as buffers"))
+                              "counted as weights); register them as buffers").format(names=as_params))
+        raise Incorrect(_("{names} are nn.Parameters: likely mistake: that makes them trainable (the optimizer "
+                          "would change them, and they show up in parameters()); register them as buffers").format(
+                              names=as_params))
     plain = [n for n in ("mean", "std") if isinstance(vars(model).get(n), torch.Tensor)]
     if plain:
         raise Incorrect(_("{names} are plain tensor attributes: likely mistake: .to(), .double() and state_dict() "
@@ -286,6 +361,12 @@ register(Exercise(
                            "        self.register_buffer(\"std\", std, persistent=False)\n"), "persistent=True"),
         Mistake(_normalize("        self.mean = nn.Parameter(mean, requires_grad=False)\n"
                            "        self.std = nn.Parameter(std, requires_grad=False)\n"), "frozen nn.Parameters"),
+        Mistake(_normalize("        self.register_buffer(\"mean\", mean)\n        self.std = nn.Parameter(std)\n"),
+                "['std'] are nn.Parameters"),
+        Mistake(_normalize("        self.register_buffer(\"mean\", mean.double())\n"
+                           "        self.register_buffer(\"std\", std.double())\n"), "converted when stored"),
+        Mistake(_normalize("        self.register_buffer(\"mean\", mean)\n"
+                           "        self.register_buffer(\"std\", std, persistent=False)\n"), "persistent=True"),
     ],
 ))
 
@@ -305,6 +386,17 @@ class _FailingForward(nn.Module):
 
     def forward(self, x):
         raise RuntimeError("the checker's model failed in forward on purpose")
+
+
+def _submodules_restored(model: nn.Module, training: bool) -> None:
+    """After predict, every submodule is back in the mode the whole model was in (Dropout and BatchNorm read their
+    own `training` flag, not the model's)."""
+    left = [name for name, m in model.named_modules() if name and m.training != training]
+    if left:
+        raise Incorrect(_("after predict, model.training is {training} again, but the submodules {names} are left "
+                          "with training={other}: likely mistake: assigning model.training sets the flag of the "
+                          "model alone; model.train(was_training) sets it on every submodule, and Dropout and "
+                          "BatchNorm read their own").format(training=training, names=left, other=not training))
 
 
 def _check_predict(predict):
@@ -328,6 +420,7 @@ def _check_predict(predict):
     if not model.training:
         raise Incorrect(_("after predict the model is left in eval mode although it was in training mode: likely "
                           "mistake: remember model.training first and restore it (model.train(was_training))"))
+    _submodules_restored(model, True)
     model.eval()
     with torch.no_grad():
         reference = model(x)
@@ -337,6 +430,7 @@ def _check_predict(predict):
     if model.training:
         raise Incorrect(_("predict was given a model in eval mode and left it in training mode: likely mistake: "
                           "restore the mode the model had (model.train(was_training)), not always train()"))
+    _submodules_restored(model, False)
     if not isinstance(again, torch.Tensor) or not torch.equal(again, out):
         raise Incorrect(_("two calls of predict on the same input gave different outputs"))
     failing = _FailingForward().train()
@@ -389,6 +483,17 @@ register(Exercise(
                                 "        with torch.inference_mode():\n            return model(x)\n"
                                 "    except Exception as error:\n        print(\"predict failed:\", error)\n"
                                 "    finally:\n        model.train(was_training)\n"), "hid the error"),
+        Mistake(_PREDICT_DOC + ("    was_training = model.training\n    model.eval()\n    try:\n"
+                                "        with torch.inference_mode():\n            return model(x)\n"
+                                "    finally:\n        model.training = was_training\n"),
+                "sets the flag of the model alone"),
+        Mistake(_PREDICT_DOC + ("    model.eval()\n    was_training = model.training\n    try:\n"
+                                "        with torch.inference_mode():\n            return model(x)\n"
+                                "    finally:\n        model.train(was_training)\n"), "remember model.training first"),
+        Mistake(_PREDICT_DOC + ("    was_training = model.training\n    model.eval()\n    out = None\n    try:\n"
+                                "        with torch.inference_mode():\n            out = model(x)\n"
+                                "    finally:\n        model.train(was_training)\n        return out\n"),
+                "hid the error"),
     ],
 ))
 
@@ -456,10 +561,40 @@ def _cases() -> list[tuple[str, nn.Module, torch.Tensor, str | None]]:
         ]
 
 
+def _check_at_limit(first_bad_layer) -> None:
+    """`limit` given (100): layer "0" reaches exactly 100 in absolute value (not larger: fine), ReLU "1" too, and
+    layer "2" outputs 300."""
+    with seeded(3):
+        model = nn.Sequential(nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 3))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+        model[0].bias.copy_(torch.tensor([100.0, -100.0, 50.0]))
+        model[2].bias.fill_(300.0)
+    got = call(first_bad_layer, model, torch.ones(2, 4), 100.0, name="first_bad_layer", check_mutation=False)
+    if _hooks_left(model):
+        raise Incorrect(_("after first_bad_layer returned, hooks are still registered on {left}: likely "
+                          "mistake: the hooks were not removed (keep each handle and call handle.remove() in a "
+                          "finally block)").format(left=_hooks_left(model)))
+    if got == "2":
+        return
+    shown = _("first_bad_layer(model, x, limit=100) returned {got!r}, expected '2' (its outputs are 300; layer '0' "
+              "reaches exactly 100 in absolute value, and so does ReLU '1')").format(got=got)
+    if got is None:
+        raise Incorrect(_("{shown}: likely mistake: the limit is written in the code (1e4) instead of read from the "
+                          "`limit` argument").format(shown=shown))
+    if got in ("0", "1"):
+        raise Incorrect(_("{shown}: likely mistake: a value equal to the limit was taken for a bad one (>= instead of "
+                          ">, or < instead of <=); only a value larger than the limit is bad").format(shown=shown))
+    raise Incorrect(shown)
+
+
 def _check_first_bad_layer(first_bad_layer):
     require_function(first_bad_layer, "first_bad_layer")
+    previous = None
     for what, model, x, expected in _cases():
         got = call(first_bad_layer, model, x, name="first_bad_layer", check_mutation=False)
+        before, previous = previous, got
         left = _hooks_left(model)
         if left:
             raise Incorrect(_("after first_bad_layer returned, hooks are still registered on {left}: likely "
@@ -473,6 +608,11 @@ def _check_first_bad_layer(first_bad_layer):
         names = [name for name, m in model.named_modules() if next(m.children(), None) is None]
         shown = _("for {what}, first_bad_layer returned {got!r}, expected {expected!r}").format(
             what=_(what), got=got, expected=expected)
+        if got is not None and got == before:
+            raise Incorrect(_("{shown}, its answer for the previous model: likely mistake: the list that records the "
+                              "bad layers outlives the call (a global, or a default argument such as found=[]), so "
+                              "the first call's finding is still in it; create it inside first_bad_layer, at each "
+                              "call").format(shown=shown))
         if got == "" and expected is not None:
             raise Incorrect(_("{shown}: likely mistake: the model itself (name '') was hooked; hook only leaf "
                               "modules").format(shown=shown))
@@ -499,6 +639,7 @@ def _check_first_bad_layer(first_bad_layer):
                               "last one wins; once NaN or a huge value appears, every later layer inherits it. Keep "
                               "only the first").format(shown=shown))
         raise Incorrect(shown)
+    _check_at_limit(first_bad_layer)
     raising = _Raising()
     try:
         call(first_bad_layer, raising, torch.ones(2, 4), name="first_bad_layer", check_mutation=False)
@@ -578,5 +719,11 @@ register(Exercise(
             "    try:\n        model(x)\n    finally:\n        for handle in handles:\n            handle.remove()\n"
             "    for name, _ in model.named_modules():\n"
             "        if bad.get(name):\n            return name\n    return None\n"), "the order they are defined"),
+        Mistake(_bad_variant("not (torch.isfinite(output).all() and output.abs().max() <= 1e4)"),
+                "written in the code (1e4)"),
+        Mistake(_bad_variant("not (torch.isfinite(output).all() and output.abs().max() < limit)"),
+                "a value equal to the limit"),
+        Mistake("found = []\n\n\n" + _BAD_SOLUTION.replace("    found, handles = [], []\n", "    handles = []\n"),
+                "outlives the call"),
     ],
 ))

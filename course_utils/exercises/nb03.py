@@ -8,6 +8,7 @@ every check behaves the same with or without a GPU.
 """
 from __future__ import annotations
 
+import contextlib
 import io
 import re
 import warnings
@@ -29,18 +30,30 @@ def _first_param(model: nn.Module) -> torch.Tensor:
 
 # --- 03.1 follow the model --------------------------------------------------------------------
 
-def _check_to_model(to_model):
-    x = torch.randn(2, 4, generator=torch.Generator().manual_seed(0))
-    x_before = x.clone()
-    model = nn.Linear(4, 3).to("meta", torch.bfloat16)  # a device other than the CPU, on any machine
+def _to_model_call(to_model, x, model):
+    """to_model(x, model), with feedback for the ways of asking a module for its device that do not work."""
     try:
-        out = call(to_model, x, model, name="to_model", check_mutation=False)
+        return call(to_model, x, model, name="to_model", check_mutation=False)
     except Incorrect as exc:
         if "has no attribute 'device'" in str(exc):
             raise Incorrect(_("model.device raised AttributeError: likely mistake: an nn.Module has no .device "
                               "(its parameters could even live on several devices); ask one of its parameters: "
                               "next(model.parameters()).device")) from None
+        if "has no attribute 'weight'" in str(exc):
+            raise Incorrect(_("{error}: likely mistake: model.weight exists on a single layer such as nn.Linear, not "
+                              "on every module (an nn.Sequential has none of its own); ask one of its parameters: "
+                              "next(model.parameters())").format(error=exc)) from None
+        if "'generator' object is not subscriptable" in str(exc):
+            raise Incorrect(_("{error}: likely mistake: model.parameters() is a generator, which has no [0]; "
+                              "next(model.parameters()) gives the first parameter").format(error=exc)) from None
         raise
+
+
+def _check_to_model(to_model):
+    x = torch.randn(2, 4, generator=torch.Generator().manual_seed(0))
+    x_before = x.clone()
+    model = nn.Linear(4, 3).to("meta", torch.bfloat16)  # a device other than the CPU, on any machine
+    out = _to_model_call(to_model, x, model)
     if not torch.equal(x, x_before) or x.device.type != "cpu":
         raise Incorrect(_("to_model changed x in place; return a new tensor and leave the caller's x as it was"))
     if out is x or (isinstance(out, torch.Tensor) and out.device.type == "cpu" and out.dtype == torch.float32):
@@ -62,13 +75,19 @@ def _check_to_model(to_model):
                           ).format(dtype=out.dtype))
     # A second model (CPU, float64): the answer must follow the model, not hard-code meta or bfloat16.
     model64 = nn.Linear(4, 3).double()
-    out64 = call(to_model, x, model64, name="to_model", check_mutation=False)
+    out64 = _to_model_call(to_model, x, model64)
     if not isinstance(out64, torch.Tensor) or out64.dtype != torch.float64 or out64.device.type != "cpu":
         raise Incorrect(_("for a float64 model on the CPU, to_model returned {value}: read the device "
                           "and dtype from the model you are given instead of fixing them in the code"
                           ).format(value=describe(out64)))
     if not torch.equal(out64, x.double()):
         raise Incorrect(_("the values changed: converting should keep them (up to the new dtype's precision)"))
+    # A model that is not one layer: a Sequential has no .weight of its own.
+    stack = nn.Sequential(nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 2)).to("meta", torch.float16)
+    out16 = _to_model_call(to_model, x, stack)
+    if not isinstance(out16, torch.Tensor) or out16.dtype != torch.float16 or out16.device.type != "meta":
+        raise Incorrect(_("for an nn.Sequential on meta in float16, to_model returned {value}: read the device and "
+                          "dtype from the model's parameters").format(value=describe(out16)))
     return _("x now follows the model, whichever device and dtype that is")
 
 
@@ -90,6 +109,10 @@ register(Exercise(
         Mistake("def to_model(x, model):\n    x.to(next(model.parameters()).device)\n    return x\n",
                 "without assignment"),
         Mistake("def to_model(x, model):\n    return x.to(next(model.parameters()).device)\n", "dtype too"),
+        Mistake("def to_model(x, model):\n    return x.to(device=model.weight.device, dtype=model.weight.dtype)\n",
+                "model.weight exists on a single layer"),
+        Mistake("def to_model(x, model):\n    param = model.parameters()[0]\n"
+                "    return x.to(device=param.device, dtype=param.dtype)\n", "is a generator"),
     ],
 ))
 
@@ -108,6 +131,12 @@ def _sample_batch() -> dict:
             "extra": [torch.ones(2), "id-7", 3], "pair": (torch.zeros(2, 1), torch.arange(2)),
             "boxes": Boxes(torch.rand(2, 4, generator=gen), torch.tensor([0.9, 0.4])),
             "meta": OrderedDict(scale=torch.tensor(0.5), name="batch-0")}
+
+
+def _deep_batch() -> dict:
+    """Containers in containers in containers: a list of dicts, lists of lists of tuples."""
+    return {"crops": [{"mask": torch.ones(2, 2), "box": (torch.zeros(4), "crop-0")}],
+            "levels": [[(torch.arange(3),)], []]}
 
 
 def _leaves(batch: dict) -> list:
@@ -180,6 +209,10 @@ def _check_move_batch(move_batch):
             raise Incorrect(_("move_batch raised {error}: likely mistake: .to() was called on something that is "
                               "not a tensor; recurse into lists, tuples and dicts, and return anything else "
                               "unchanged").format(error=what)) from None
+        if "RecursionError" in str(exc):
+            raise Incorrect(_("move_batch raised {error}: likely mistake: a string is iterable too, and each of its "
+                              "characters is a string again, so recursing into every iterable never ends; recurse "
+                              "into lists, tuples and dicts only").format(error=what)) from None
         if "missing 1 required positional argument" in str(exc):
             raise Incorrect(_("move_batch raised {error}: likely mistake: batch['boxes'] is a namedtuple, whose "
                               "constructor takes the fields as separate arguments, not one iterable: for a "
@@ -192,6 +225,8 @@ def _check_move_batch(move_batch):
     if out is None:
         raise Incorrect(_("move_batch returned None: did you forget a `return`?"))
     _compare(out, _sample_batch(), "batch", target)
+    deep = call(move_batch, _deep_batch(), target, name="move_batch", check_mutation=False)
+    _compare(deep, _deep_batch(), "deep", target)
     single = call(move_batch, torch.ones(3), target, name="move_batch", check_mutation=False)
     _compare(single, torch.ones(3), _("a bare tensor"), target)
     if call(move_batch, "text", target, name="move_batch", check_mutation=False) != "text":
@@ -267,6 +302,27 @@ register(Exercise(
                 "    if isinstance(batch, dict):\n"
                 "        return {key: move_batch(value, device) for key, value in batch.items()}\n"
                 "    return batch\n", "dict comprehension always builds a plain dict"),
+        # lists and tuples of tensors handled, but not lists of containers
+        Mistake("def move_batch(batch, device):\n"
+                "    if isinstance(batch, torch.Tensor):\n"
+                "        return batch.to(device)\n"
+                "    if isinstance(batch, tuple) and hasattr(batch, '_fields'):\n"
+                "        return type(batch)(*(move_batch(item, device) for item in batch))\n"
+                "    if isinstance(batch, (list, tuple)):\n"
+                "        return type(batch)(item.to(device) if isinstance(item, torch.Tensor) else item "
+                "for item in batch)\n"
+                "    if isinstance(batch, dict):\n"
+                "        return type(batch)((key, move_batch(value, device)) for key, value in batch.items())\n"
+                "    return batch\n", "however deeply it is nested"),
+        Mistake("def move_batch(batch, device):\n"
+                "    if isinstance(batch, torch.Tensor):\n"
+                "        return batch.to(device)\n"
+                "    if isinstance(batch, dict):\n"
+                "        return type(batch)((key, move_batch(value, device)) for key, value in batch.items())\n"
+                "    if hasattr(batch, '__iter__'):\n"
+                "        items = [move_batch(item, device) for item in batch]\n"
+                "        return type(batch)(*items) if hasattr(batch, '_fields') else type(batch)(items)\n"
+                "    return batch\n", "a string is iterable too"),
     ],
 ))
 
@@ -288,6 +344,8 @@ _FEED_CASES = [
     (0.0, 5.0, 256, 8, "cuda"),   # data already in memory, nothing per sample: no workers
     (1.0, 4.0, 64, 4, "cuda"),    # 16 workers would be needed; 4 cores leave room for 3 beside the main process
     (0.5, 20.0, 64, 8, "cpu"),    # as the first, without a GPU
+    (1.0, 16.0, 32, 8, "cuda"),   # 32 ms per batch and worker, a 16 ms step: exactly 2 workers, not 3
+    (2.0, 10.0, 32, 1, "cuda"),   # one core, kept by the main process: no workers, whatever the work
 ]
 
 
@@ -299,10 +357,44 @@ def _expected_settings(sample_ms, step_ms, batch_size, cores, device_type) -> di
             "pin_memory": device_type == "cuda" and workers > 0}
 
 
+@contextlib.contextmanager
+def _cores_seen_as(n: int):
+    """For the duration of the block, this machine appears to have `n` cores to the usual ways of asking."""
+    import multiprocessing
+    import os
+    from unittest import mock
+
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(mock.patch.object(os, "cpu_count", lambda: n))
+        stack.enter_context(mock.patch.object(multiprocessing, "cpu_count", lambda: n))
+        for name, fake in (("process_cpu_count", lambda: n), ("sched_getaffinity", lambda pid: set(range(n)))):
+            if hasattr(os, name):
+                stack.enter_context(mock.patch.object(os, name, fake))
+        yield
+
+
+def _check_reads_no_machine(loader_settings) -> None:
+    """The settings are for the machine the arguments describe: the same arguments on machines with other core
+    counts give the same settings."""
+    case = (1.0, 4.0, 64, 4, "cuda")
+    got = []
+    for n in (9, 13):
+        with _cores_seen_as(n):
+            got.append(call(loader_settings, *case, name="loader_settings"))
+    if got[0] != got[1]:
+        workers = [g.get("num_workers") if isinstance(g, dict) else g for g in got]
+        raise Incorrect(_("loader_settings(sample_ms=1.0, step_ms=4.0, batch_size=64, cores=4, device_type='cuda') "
+                          "returned num_workers={a} on a machine with 9 cores and {b} on one with 13: likely "
+                          "mistake: the cores of the machine running it (os.cpu_count()) instead of the `cores` "
+                          "argument; the settings are for the machine the arguments describe, here at most "
+                          "cores - 1 = 3 workers").format(a=workers[0], b=workers[1]))
+
+
 def _check_loader_settings(loader_settings):
     if isinstance(loader_settings, type) or not callable(loader_settings):
         raise Incorrect(_("loader_settings should be a function, got {value}").format(value=describe(loader_settings)))
     import math
+    _check_reads_no_machine(loader_settings)
     for case in _FEED_CASES:
         sample_ms, step_ms, batch_size, cores, device_type = case
         label = (f"loader_settings(sample_ms={sample_ms}, step_ms={step_ms}, batch_size={batch_size}, "
@@ -331,6 +423,13 @@ def _check_loader_settings(loader_settings):
         if workers != expected["num_workers"]:
             per_batch = batch_size * sample_ms
             needed = math.ceil(per_batch / step_ms) if sample_ms > 0 else 0
+            if (sample_ms > 0 and per_batch % step_ms == 0 and workers == needed + 1
+                    and workers <= cores - 1):
+                raise Incorrect(_("{label} returned num_workers={workers}: one worker prepares a batch in "
+                                  "{per_batch:g} ms, so exactly {needed} keep up with the {step_ms:g} ms step: likely "
+                                  "mistake: int(...) + 1 to round up adds a worker when the division is exact; "
+                                  "math.ceil rounds up only a fraction").format(
+                    label=label, workers=workers, per_batch=per_batch, needed=needed, step_ms=step_ms))
             if sample_ms == 0:
                 raise Incorrect(_("{label} returned num_workers={workers}: with no per-sample work (data already in "
                                   "memory) workers only add start-up and the trip through shared memory; use 0"
@@ -417,6 +516,12 @@ register(Exercise(
                 "pinning on the fly"),
         Mistake(_feed("min(math.ceil(batch_size * sample_ms / step_ms), cores - 1)", pin="device_type == \"cuda\""),
                 "pinning on the fly"),
+        Mistake(_feed("min(int(batch_size * sample_ms / step_ms) + 1, cores - 1) if sample_ms > 0 else 0"),
+                "adds a worker when the division is exact"),
+        Mistake(_feed("max(1, min(math.ceil(batch_size * sample_ms / step_ms), cores - 1)) if sample_ms > 0 else 0"),
+                "Use at most cores - 1 = 0"),
+        Mistake("import os\n" + _feed("min(math.ceil(batch_size * sample_ms / step_ms), os.cpu_count() - 1) "
+                                      "if sample_ms > 0 else 0"), "os.cpu_count()"),
     ],
 ))
 
@@ -479,6 +584,10 @@ def _check_load_weights(load_weights):
             raise Incorrect(_("torch.load failed on a checkpoint saved on a GPU this machine does not have: likely "
                               "mistake: no map_location; map the tensors to the model's device while loading"
                               )) from None
+        if "has no attribute 'device'" in str(exc):
+            raise Incorrect(_("model.device raised AttributeError: likely mistake: an nn.Module has no .device "
+                              "(its parameters could even live on several devices); ask one of its parameters: "
+                              "next(model.parameters()).device")) from None
         raise
     if out is not model:
         if isinstance(out, tuple) and hasattr(out, "missing_keys"):
@@ -490,19 +599,53 @@ def _check_load_weights(load_weights):
         if not torch.equal(p.detach().cpu(), saved.state_dict()[name]):
             raise Incorrect(_("after loading, {name} does not hold the saved values: call model.load_state_dict"
                               ).format(name=name))
+    # The same checkpoint given as a path, the other kind of source torch.load takes.
+    import os
+    import tempfile
+    with tempfile.TemporaryDirectory() as folder:
+        path = os.path.join(folder, "weights.pt")
+        with open(path, "wb") as f:
+            f.write(elsewhere)
+        from_path = nn.Linear(3, 2)
+        try:
+            call(load_weights, path, from_path, name="load_weights", check_mutation=False)
+        except Incorrect as exc:
+            raise Incorrect(_("given a path (a str), {error}: likely mistake: source is used as a file object "
+                              "(source.seek, source.read, io.BytesIO(...)); torch.load takes a path or a file object "
+                              "as it is: hand it source").format(error=exc)) from None
+    if not all(torch.equal(p.detach().cpu(), saved.state_dict()[n]) for n, p in from_path.named_parameters()):
+        raise Incorrect(_("given a path (a str), load_weights did not load the saved values into the model"))
     # A booby-trapped file: unpickling it calls a function. Loading it must fail, not run that function.
     trap = io.BytesIO()
     torch.save({"weight": torch.zeros(2, 3), "bias": _Trap()}, trap)
     _payload_runs.clear()
+    refused = False
     try:
         call(load_weights, io.BytesIO(trap.getvalue()), nn.Linear(3, 2), name="load_weights",
              check_mutation=False)
     except Incorrect:
-        pass  # refusing the file is the right outcome
+        refused = True  # refusing the file is the right outcome
     if _payload_runs:
         raise Incorrect(_("loading a booby-trapped file ran the function hidden in it: likely mistake: "
                           "weights_only=False; unpickling can run any code, so load with weights_only=True "
                           "(the default since torch 2.6) and only tensors and plain containers come back"))
+    if not refused:
+        raise Incorrect(_("given a booby-trapped file, load_weights returned normally, with the model's weights not "
+                          "loaded: likely mistake: an `except` swallowed torch.load's error; let it reach the caller, "
+                          "who would otherwise go on with untrained weights"))
+    # Another model's checkpoint: its keys are not this model's, and loading it must fail, not load nothing.
+    other = io.BytesIO()
+    torch.save({"fc." + k: v for k, v in saved.state_dict().items()}, other)
+    target = nn.Linear(3, 2)
+    try:
+        call(load_weights, io.BytesIO(other.getvalue()), target, name="load_weights", check_mutation=False)
+    except Incorrect:
+        pass  # load_state_dict's error about the keys came through
+    else:
+        raise Incorrect(_("given the checkpoint of another model, whose keys ['fc.bias', 'fc.weight'] are not this "
+                          "model's ['bias', 'weight'], load_weights returned normally and the model kept its random "
+                          "weights: likely mistake: strict=False (or an except around load_state_dict) hides the "
+                          "mismatch; let load_state_dict raise"))
     return _("weights mapped onto the model's device, and code hidden in a file does not run")
 
 
@@ -535,5 +678,17 @@ register(Exercise(
         Mistake(_LOAD_DOC + "    state = torch.load(source, map_location=next(model.parameters()).device,"
                 " weights_only=True)\n    return model.load_state_dict(state)\n",
                 "return the model itself"),
+        Mistake(_LOAD_DOC + "    state = torch.load(source, map_location=next(model.parameters()).device,"
+                " weights_only=True)\n    model.load_state_dict(state, strict=False)\n    return model\n",
+                "strict=False"),
+        Mistake(_LOAD_DOC + "    source.seek(0)\n    state = torch.load(source, map_location=next(model.parameters())"
+                ".device, weights_only=True)\n    model.load_state_dict(state)\n    return model\n",
+                "source is used as a file object"),
+        Mistake(_LOAD_DOC + "    try:\n        state = torch.load(source, map_location=next(model.parameters()).device,"
+                " weights_only=True)\n        model.load_state_dict(state)\n    except Exception as error:\n"
+                "        print(\"could not load the checkpoint:\", type(error).__name__)\n    return model\n",
+                "swallowed torch.load's error"),
+        Mistake(_LOAD_DOC + "    state = torch.load(source, map_location=model.device, weights_only=True)\n"
+                "    model.load_state_dict(state)\n    return model\n", "an nn.Module has no .device"),
     ],
 ))

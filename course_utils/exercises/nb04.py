@@ -65,7 +65,8 @@ class _SimulatedGPU:
 
 
 # warm-up calls are slow (first-call costs); one timed call is an outlier that drags a mean upwards
-_WORK = [0.030, 0.030, 0.030, 0.004, 0.004, 0.040, 0.004, 0.004]
+# and one is fast (2 ms against 4): a minimum is decided by that single call
+_WORK = [0.030, 0.030, 0.030, 0.004, 0.004, 0.040, 0.002, 0.004]
 _WARMUP, _REPEATS = 3, 5
 
 
@@ -80,6 +81,12 @@ def _check_median_time(median_time):
     if gpu.launches != _WARMUP + _REPEATS:
         raise Incorrect(_("fn was called {launches} times; expected warmup + repeats = {expected}").format(
             launches=gpu.launches, expected=_WARMUP + _REPEATS))
+    synced_each = not gpu.pending and all(k in gpu.done for k in range(_WARMUP, _WARMUP + _REPEATS))
+    if seconds < 0.001 and synced_each:
+        raise Incorrect(_("median_time returned {us:.0f} us, though each timed call was followed by its sync(), which "
+                          "waited for at least 2 ms of work: likely mistake: a clock that does not count waiting, "
+                          "such as time.process_time() (CPU time; a process waiting for the device uses none); read "
+                          "time.perf_counter()").format(us=seconds * 1e6))
     if seconds < 0.001:
         raise Incorrect(_("median_time returned {us:.0f} us, but each call queues at least 4 ms of work: "
                           "likely mistake: the clock was read before sync() returned, so you timed the launch, not "
@@ -97,6 +104,10 @@ def _check_median_time(median_time):
         raise Incorrect(_("each timed call should be followed by its own sync() (fn(), sync(), read the clock): "
                           "one sync() after several calls times them together"))
     median, mean = statistics.median(timed), statistics.fmean(timed)
+    if seconds > 0.5 and abs(seconds / 1000 - median) <= 0.25 * median + 0.001:
+        raise Incorrect(_("median_time returned {value:g}, a thousand times the median of the timed calls in seconds "
+                          "({median:.4f} s): likely mistake: the result is in milliseconds; return seconds, as "
+                          "time.perf_counter() gives them").format(value=seconds, median=median))
     every = [gpu.done[k] for k in range(_WARMUP + _REPEATS) if k in gpu.done]
     if len(every) == _WARMUP + _REPEATS:
         with_warmup = statistics.median(every)
@@ -111,6 +122,12 @@ def _check_median_time(median_time):
                           "({mean_ms:.1f} ms), not their median ({median_ms:.1f} ms): likely mistake: the mean; "
                           "one slow call (another process, a page fault) drags it up, the median ignores it").format(
             ms=seconds * 1e3, mean_ms=mean * 1e3, median_ms=median * 1e3))
+    fastest = min(timed)
+    if abs(seconds - fastest) < abs(seconds - median):
+        raise Incorrect(_("median_time returned {ms:.1f} ms, close to the fastest timed call ({min_ms:.1f} ms), not "
+                          "their median ({median_ms:.1f} ms): likely mistake: the minimum, which a single call "
+                          "decides; the median is what a typical call takes").format(
+            ms=seconds * 1e3, min_ms=fastest * 1e3, median_ms=median * 1e3))
     if abs(seconds - median) > 0.25 * median + 0.001:
         raise Incorrect(_("median_time returned {ms:.1f} ms; the median of the timed calls was "
                           "{median_ms:.1f} ms").format(ms=seconds * 1e3, median_ms=median * 1e3))
@@ -121,20 +138,22 @@ _TIME_DOC = ("def median_time(fn, sync, warmup=2, repeats=5):\n"
              "    \"\"\"Seconds per call of fn: warmup untimed calls, then repeats timed calls, each followed by\n"
              "    sync() before the clock is read; return the median.\"\"\"\n")
 
+_TIME_SOLUTION = _TIME_DOC + (
+    "    for _ in range(warmup):\n"
+    "        fn()\n"
+    "    sync()\n"
+    "    times = []\n"
+    "    for _ in range(repeats):\n"
+    "        start = time.perf_counter()\n"
+    "        fn()\n"
+    "        sync()\n"
+    "        times.append(time.perf_counter() - start)\n"
+    "    return statistics.median(times)\n")
+
 register(Exercise(
     id="04.1", title=N_("Timing an asynchronous device"), answer="median_time",
     blank=_TIME_DOC + "    raise NotImplementedError  # your code here\n",
-    solution=_TIME_DOC + (
-        "    for _ in range(warmup):\n"
-        "        fn()\n"
-        "    sync()\n"
-        "    times = []\n"
-        "    for _ in range(repeats):\n"
-        "        start = time.perf_counter()\n"
-        "        fn()\n"
-        "        sync()\n"
-        "        times.append(time.perf_counter() - start)\n"
-        "    return statistics.median(times)\n"),
+    solution=_TIME_SOLUTION,
     setup="import statistics\nimport time\n",
     checker=_check_median_time,
     timeout=5.0,
@@ -208,6 +227,10 @@ register(Exercise(
             "        fn()\n"
             "    sync()\n"
             "    return (time.perf_counter() - start) / repeats\n"), "times them together"),
+        Mistake(_TIME_SOLUTION.replace("return statistics.median(times)", "return statistics.median(times) * 1000"),
+                "in milliseconds"),
+        Mistake(_TIME_SOLUTION.replace("time.perf_counter()", "time.process_time()"), "does not count waiting"),
+        Mistake(_TIME_SOLUTION.replace("return statistics.median(times)", "return min(times)"), "the minimum"),
     ],
 ))
 
@@ -218,13 +241,20 @@ _LOSSES = [2.25, 1.75, 1.5, 1.0, 0.5]
 
 
 def _check_epoch_mean_loss(epoch_mean_loss):
+    import weakref
+
     weight = torch.ones((), requires_grad=True)  # the losses carry a graph, as real ones do
     calls = []
+    graphs = []  # per step, a weak reference to a tensor its graph saved for backward: alive as long as the graph
+    alive = []   # at each step, how many earlier steps' graphs were still alive
 
     def train_step():
         value = _LOSSES[len(calls) % len(_LOSSES)]
         calls.append(value)
-        return on_device(weight * value)
+        alive.append(sum(ref() is not None for ref in graphs))
+        saved = torch.tensor(value)  # `weight * saved` keeps `saved` for the gradient of weight
+        graphs.append(weakref.ref(saved))
+        return on_device(weight * saved)
 
     with HostReads() as reads:
         result = call(epoch_mean_loss, train_step, len(_LOSSES), name="epoch_mean_loss", check_mutation=False)
@@ -250,6 +280,11 @@ def _check_epoch_mean_loss(epoch_mean_loss):
     if reads.total > 1:
         raise Incorrect(_("{total} syncs ({reads}): one is enough (a single .item() at the end)").format(
             total=reads.total, reads=reads.describe()))
+    if alive and alive[-1] >= len(_LOSSES) - 1:
+        raise Incorrect(_("at the last step the autograd graphs of all {kept} earlier steps were still alive: likely "
+                          "mistake: the losses were kept without .detach() (total += loss, or a list of the losses "
+                          "themselves); each keeps its step's graph, so memory grows with the epoch. Keep "
+                          "train_step().detach()").format(kept=alive[-1]))
     return _("the mean loss of the epoch, read with a single sync")
 
 
@@ -287,6 +322,12 @@ register(Exercise(
                 "return a Python float"),
         Mistake(_EPOCH_DOC + "    return torch.stack([train_step().detach() for _ in range(steps)]).sum().item()\n",
                 "divide by the number of steps"),
+        Mistake(_EPOCH_DOC + ("    total = 0.0\n    for _ in range(steps):\n        total += train_step()\n"
+                              "    return (total / steps).item()\n"), "without .detach()"),
+        Mistake(_EPOCH_DOC + ("    losses = [train_step() for _ in range(steps)]\n"
+                              "    return torch.stack(losses).mean().item()\n"), "without .detach()"),
+        Mistake(_EPOCH_DOC + ("    losses = [train_step().detach() for _ in range(1, steps)]\n"
+                              "    return torch.stack(losses).mean().item()\n"), "train_step was called 4 times"),
     ],
 ))
 
@@ -304,9 +345,12 @@ class _Machine:
         self.durations: list[float] = []     # simulated seconds of each call
         self.cost = {"b": baseline_s, "c": candidate_s}
         self.clock_reads = 0
+        self.calls_at_first_read: int | None = None  # calls made before clock() was first read
         self.true_speedup = baseline_s / candidate_s
 
     def clock(self) -> float:
+        if self.calls_at_first_read is None:
+            self.calls_at_first_read = len(self.calls)
         self.clock_reads += 1
         return self.now
 
@@ -325,7 +369,7 @@ class _Machine:
 def _check_speedup(speedup):
     if isinstance(speedup, type) or not callable(speedup):
         raise Incorrect(_("speedup should be a function, got {value}").format(value=describe(speedup)))
-    rounds = 5
+    rounds = 7  # not the default: the answer must use its argument
     machine = _Machine()
     result = call(speedup, lambda: machine.run("b"), lambda: machine.run("c"), machine.clock, rounds,
                   name="speedup", check_mutation=False)
@@ -334,6 +378,15 @@ def _check_speedup(speedup):
         raise Incorrect(_("clock() was never read: likely mistake: timing with time.perf_counter(); this machine is "
                           "simulated, so time it with the clock you are given"))
     n_b, n_c = machine.calls.count("b"), machine.calls.count("c")
+    if (n_b, n_c) == (rounds, rounds) and machine.calls_at_first_read == 2 and sorted(machine.calls[:2]) == ["b", "c"]:
+        raise Incorrect(_("each function was called {rounds} times: once untimed (the warm-up), then only {timed} "
+                          "timed rounds for rounds={rounds}: likely mistake: a loop that stops one round short "
+                          "(range(1, rounds)); time `rounds` rounds after the warm-up").format(
+            rounds=rounds, timed=rounds - 1))
+    if (n_b, n_c) == (6, 6):
+        raise Incorrect(_("each function was called 6 times for rounds={rounds}, one warm-up and 5 rounds: likely "
+                          "mistake: the 5 rounds of the default are written in the code; use the `rounds` "
+                          "argument").format(rounds=rounds))
     if (n_b, n_c) == (rounds, rounds):
         raise Incorrect(_("each function was called {rounds} times, not rounds + 1 = {expected}: likely mistake: "
                           "the warm-up call is missing; the first call of each pays one-time costs and must not be "
@@ -371,15 +424,17 @@ def _timed(fn: str) -> str:
     return f"        start = clock()\n        {fn}()\n        t_{fn[0]} = clock() - start\n"
 
 
+_SPEEDUP_SOLUTION = _SPEEDUP_HEAD + (
+    "    ratios = []\n"
+    "    for _ in range(rounds):  # in alternation: a change of load hits both alike\n"
+    + _timed("baseline") + _timed("candidate") +
+    "        ratios.append(t_b / t_c)\n"
+    "    return statistics.median(ratios)\n")
+
 register(Exercise(
     id="04.3", title=N_("A fair speed-up under changing load"), answer="speedup",
     blank=_SPEEDUP_DOC + "    raise NotImplementedError  # your code here\n",
-    solution=_SPEEDUP_HEAD + (
-        "    ratios = []\n"
-        "    for _ in range(rounds):  # in alternation: a change of load hits both alike\n"
-        + _timed("baseline") + _timed("candidate") +
-        "        ratios.append(t_b / t_c)\n"
-        "    return statistics.median(ratios)\n"),
+    solution=_SPEEDUP_SOLUTION,
     setup="import statistics\nimport time\n",
     checker=_check_speedup,
     hints=[N_("Time each call with two readings of clock(). Alternate: baseline, candidate, baseline, candidate, "
@@ -411,6 +466,10 @@ register(Exercise(
             "        start = time.perf_counter()\n        baseline()\n        t_b = time.perf_counter() - start\n"
             "        start = time.perf_counter()\n        candidate()\n        t_c = time.perf_counter() - start\n"
             "        ratios.append(t_b / t_c)\n    return statistics.median(ratios)\n"), "time.perf_counter()"),
+        Mistake(_SPEEDUP_SOLUTION.replace("for _ in range(rounds):", "for _ in range(5):"),
+                "use the `rounds` argument"),
+        Mistake(_SPEEDUP_SOLUTION.replace("for _ in range(rounds):", "for _ in range(1, rounds):"),
+                "stops one round short"),
     ],
 ))
 
@@ -487,7 +546,14 @@ def _check_syncs_per_step(syncs_per_step):
     runs = []  # (label, expected, got, steps, prof)
     for label, expected, loop, steps in _PROFILED:
         prof = _profile(loop, steps)
-        got = call(syncs_per_step, prof, steps, name="syncs_per_step", check_mutation=False)
+        try:
+            got = call(syncs_per_step, prof, steps, name="syncs_per_step", check_mutation=False)
+        except Incorrect as exc:
+            if expected == 0 and any(kind in str(exc) for kind in ("IndexError", "StopIteration", "KeyError")):
+                raise Incorrect(_("for a loop with no read at all, {error}: likely mistake: when nothing was read the "
+                                  "profile has no row for the operator, so the list of its rows is empty; add up the "
+                                  "counts of the matching rows (0 when there are none)").format(error=exc)) from None
+            raise
         runs.append((label, expected, _as_number(got, "syncs_per_step", _("a number of reads per step")), steps,
                      prof))
     wrong = [r for r in runs if not _near(r[2], r[1])]
@@ -514,12 +580,24 @@ def _check_syncs_per_step(syncs_per_step):
                               "likely mistake: a time column (cpu_time_total, ...) instead of the number of calls. "
                               "Read the event's count").format(label=_(label), got=got))
     fractional = [r for r in runs if r[1] != int(r[1])]
-    if fractional and all(_near(got, math.floor(expected)) for _, expected, got, _, _ in fractional) and all(
+    if fractional and all(_near(got, math.floor(expected)) or _near(got, round(expected))
+                          for _, expected, got, _, _ in fractional) and all(
             _near(got, expected) for _, expected, got, _, _ in runs if expected == int(expected)):
         label, expected, got, steps, _prof = fractional[0]
         raise Incorrect(_("for {label} ({steps} steps) you returned {got:g}, not {expected:g}: likely mistake: "
-                          "rounded down (// or int()); one read every 4 steps is 0.25 per step: use /").format(
+                          "rounded to a whole number (//, int() or round()); one read every 4 steps is 0.25 per "
+                          "step: use / and keep the fraction").format(
             label=_(label), steps=steps, got=got, expected=expected))
+    reading = [(expected * steps, got, steps) for _, expected, got, steps, _ in runs if expected > 0]
+    divisors = {round(reads / got, 6) for reads, got, _steps in reading if got > 0}
+    if (len(divisors) == 1 and all(got > 0 for _r, got, _s in reading)
+            and len({steps for _r, _g, steps in reading}) > 1):
+        divisor = divisors.pop()
+        if any(not _near(divisor, steps) for _r, _g, steps in reading):
+            raise Incorrect(_("every loop's reads were divided by {divisor:g}, though the profiles cover {steps} "
+                              "steps: likely mistake: a fixed number of steps written in the code; divide by the "
+                              "`steps` argument").format(divisor=divisor,
+                                                          steps=", ".join(str(r[3]) for r in runs)))
     label, expected, got, steps, _prof = wrong[0]
     raise Incorrect(_("for a loop with {label}, profiled for {steps} steps, there are {expected:g} reads per step; "
                       "syncs_per_step returned {got:g}. Every read of a tensor's value (.item(), float(), int(), "
@@ -555,9 +633,18 @@ register(Exercise(
                               "               if e.key == \"aten::_local_scalar_dense\") / steps\n"),
                 "a time column"),
         Mistake(_SYNCS_DOC + ("    reads = sum(e.count for e in prof.key_averages() if e.key == \"aten::item\")\n"
-                              "    return reads // steps\n"), "rounded down"),
+                              "    return reads // steps\n"), "rounded to a whole number"),
         Mistake(_SYNCS_DOC + ("    copies = [e for e in prof.key_averages() if e.key == \"aten::copy_\"]\n"
                               "    return sum(e.count for e in copies) / steps\n"), "find it in the table"),
+        Mistake(_SYNCS_DOC + ("    row = [e for e in prof.key_averages()\n"
+                              "           if e.key == \"aten::_local_scalar_dense\"][0]\n"
+                              "    return row.count / steps\n"), "no row for the operator"),
+        Mistake(_SYNCS_DOC + ("    reads = sum(e.count for e in prof.key_averages() "
+                              "if e.key == \"aten::_local_scalar_dense\")\n"
+                              "    return round(reads / steps)\n"), "round()"),
+        Mistake(_SYNCS_DOC + ("    reads = sum(e.count for e in prof.key_averages() "
+                              "if e.key == \"aten::_local_scalar_dense\")\n"
+                              "    return reads / 5\n"), "a fixed number of steps"),
     ],
 ))
 
@@ -642,9 +729,9 @@ def _check_fastest_threads(fastest_threads):
         torch.set_num_threads(before)
 
 
-def _run_counted(fastest_threads, step, start: int, *args, **kwargs):
+def _run_counted(fastest_threads, step, start: int, *args, earlier: tuple = (), **kwargs):
     """Call the answer with torch at `start` threads; check it ran step() warmup + repeats times under each count and
-    put `start` back."""
+    put `start` back. `earlier`: the counts of the calls before this one."""
     counts = list(kwargs.get("counts", args[0] if args else (1, 2)))
     warmup, repeats = kwargs.get("warmup", args[1] if len(args) > 1 else 2), kwargs.get("repeats", 5)
     torch.set_num_threads(start)
@@ -676,6 +763,11 @@ def _run_counted(fastest_threads, step, start: int, *args, **kwargs):
         raise Incorrect(_("after fastest_threads, torch uses {now} threads; it used {start} before the call: read "
                           "torch.get_num_threads() at the start and put that count back, or every later cell runs "
                           "with the count timed last").format(now=torch.get_num_threads(), start=start))
+    if result not in counts and result in earlier:
+        raise Incorrect(_("fastest_threads returned {value}, not one of {counts}, but a count of an earlier call: "
+                          "likely mistake: the medians outlive the call (a dict created outside fastest_threads), so "
+                          "the counts timed before still compete; create it inside the function, at each "
+                          "call").format(value=result, counts=counts))
     if result not in counts:
         raise Incorrect(_("fastest_threads returned {value}, not one of {counts}").format(value=result, counts=counts))
     return result
@@ -723,7 +815,7 @@ def _check_simulated(fastest_threads, clock: _Clock, before: int) -> None:
     # 2 threads faster (6 ms against 10 ms); under 2 threads the warm-up is slow and one timed call is 66 ms: a mean or
     # a maximum, or warm-up calls timed too, pick 3. Other counts and arguments, by keyword.
     step = _ThreadedStep({2: 0.006, 3: 0.010}, slow_first={2: 3}, outliers={(2, 5): 0.066}, clock=clock)
-    result = _run_counted(fastest_threads, step, 1, counts=(2, 3), warmup=3, repeats=5)
+    result = _run_counted(fastest_threads, step, 1, counts=(2, 3), warmup=3, repeats=5, earlier=(1, 2))
     if result != 2:
         raise Incorrect(_("with counts=(2, 3), warmup=3, repeats=5, fastest_threads returned 3; with 2 threads a step "
                           "takes 6 ms after 3 slow warm-up calls, except one timed call slowed to 66 ms by another "
@@ -859,5 +951,12 @@ register(Exercise(
             "            torch.set_num_threads(n)\n            for _ in range(warmup):\n                step()\n",
             "            for _ in range(warmup):\n                step()\n            torch.set_num_threads(n)\n"),
             "before the warm-up calls"),
+        Mistake("medians = {}\n\n\n" + _THREADS_DOC + _THREADS_BODY.replace("    medians = {}\n", ""),
+                "the medians outlive the call"),
+        Mistake(_THREADS_DOC + _THREADS_BODY
+                .replace("            for _ in range(warmup):\n                step()\n", "")
+                .replace("    try:\n        for n in counts:\n",
+                         "    for _ in range(warmup):\n        step()\n    try:\n        for n in counts:\n"),
+                "set the count before the warm-up calls"),
     ],
 ))
