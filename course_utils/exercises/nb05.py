@@ -22,7 +22,8 @@ from torch import nn
 
 from ..i18n import N_, _
 from ..memory import SimulatedGPU, format_bytes
-from .core import AnswerTimeout, Exercise, Incorrect, Mistake, call, describe, register, require_function, seeded
+from .core import (AnswerTimeout, Exercise, Incorrect, Mistake, _short, call, describe, register, require_function,
+                   seeded)
 
 
 def _mlp(width: int = 64, depth: int = 3, inputs: int = 32, seed: int = 0) -> nn.Sequential:
@@ -73,11 +74,13 @@ class _TinyCNN(nn.Module):
         return self.classifier(self.features(x))
 
 
-def _state_cases() -> list[tuple[str, Callable[[], nn.Module], tuple[int, ...]]]:
-    return [(N_("a 3-layer MLP"), lambda: _mlp(width=48), (32,)),
-            (N_("a small CNN"), lambda: _TinyCNN(), (1, 28, 28)),
+def _state_cases() -> list[tuple[str, Callable[[], nn.Module], tuple[int, ...], torch.dtype]]:
+    return [(N_("a 3-layer MLP"), lambda: _mlp(width=48), (32,), torch.float32),
+            (N_("a small CNN"), lambda: _TinyCNN(), (1, 28, 28), torch.float32),
             (N_("the same CNN with its convolutions frozen (requires_grad=False)"), lambda: _TinyCNN(frozen=True),
-             (1, 28, 28))]
+             (1, 28, 28), torch.float32),
+            # pure 16-bit training: 2 bytes per value, and the optimizer state in the parameters' dtype
+            (N_("the 3-layer MLP in bfloat16"), lambda: _mlp(width=48).to(torch.bfloat16), (32,), torch.bfloat16)]
 
 
 _MEASURED: dict[tuple[int, str], int] = {}
@@ -88,11 +91,11 @@ def _measured_state_bytes(case: int, opt_name: str) -> int:
     SimulatedGPU (block_bytes=1: no allocator rounding). Cached: the same for every check."""
     key = (case, opt_name)
     if key not in _MEASURED:
-        _label, make, shape = _state_cases()[case]
+        _label, make, shape, dtype = _state_cases()[case]
         with seeded(5):
             model = make()
             opt = _OPTIMIZERS[opt_name](model.parameters())
-            x, y = torch.rand(2, *shape), torch.randint(0, 10, (2,))
+            x, y = torch.rand(2, *shape, dtype=dtype), torch.randint(0, 10, (2,))
             with SimulatedGPU("1GiB", model=model, optimizer=opt, block_bytes=1) as gpu:
                 F.cross_entropy(model(x), y).backward()
                 opt.step()  # creates the optimizer state
@@ -103,7 +106,7 @@ def _measured_state_bytes(case: int, opt_name: str) -> int:
 
 def _check_training_state_bytes(training_state_bytes):
     require_function(training_state_bytes, "training_state_bytes")
-    for case, (label, make, _shape) in enumerate(_state_cases()):
+    for case, (label, make, _shape, dtype) in enumerate(_state_cases()):
         for opt_name in _OPTIMIZERS:
             with seeded(5):
                 model = make()
@@ -122,6 +125,22 @@ def _check_training_state_bytes(training_state_bytes):
                       "{expected:,} bytes ({size}) of parameters, gradients and optimizer state").format(
                 label=_(label), optimizer=opt_name, got=got, expected=expected, size=format_bytes(expected))
             close = lambda v: abs(got - v) <= 8 * n_tensors + 1e-3 * expected  # noqa: E731
+            size = torch.empty((), dtype=dtype).element_size()
+            if size != 4 and close(expected * 4 / size):
+                raise Incorrect(_("{shown}: likely mistake: 4 bytes per value were assumed (float32), but this "
+                                  "model's parameters are {dtype}, {size} bytes each: p.element_size() gives a "
+                                  "tensor's bytes per value, and the gradients and optimizer state take the "
+                                  "parameters' dtype").format(shown=shown, dtype=str(dtype).removeprefix("torch."),
+                                                              size=size))
+            buffers = {"sgd": 0, "momentum": 1, "adam": 2}[opt_name]
+            if trainable < every and buffers and close(every + trainable + buffers * every):
+                raise Incorrect(_("{shown}: likely mistake: optimizer state was counted for the frozen parameters "
+                                  "too; the optimizer makes state only for parameters that get a gradient, so a "
+                                  "frozen parameter costs only its own bytes").format(shown=shown))
+            if opt_name == "momentum" and close(every + trainable):
+                raise Incorrect(_("{shown}: likely mistake: SGD with momentum was counted like plain SGD; momentum "
+                                  "keeps one buffer (momentum_buffer) per trained parameter, the size of the "
+                                  "parameter").format(shown=shown))
             if opt_name == "adam" and close(every + 2 * trainable):
                 raise Incorrect(_("{shown}: likely mistake: Adam keeps two buffers per parameter (exp_avg and "
                                   "exp_avg_sq), on top of the gradient").format(shown=shown))
@@ -166,6 +185,20 @@ register(Exercise(
                 "    return every * {\"sgd\": 2, \"momentum\": 3, \"adam\": 4}[optimizer_name]\n", "frozen parameters"),
         Mistake(_STATE_SIG + "    every = sum(p.numel() * 32 for p in model.parameters())\n"
                 "    return every * {\"sgd\": 2, \"momentum\": 3, \"adam\": 4}[optimizer_name]\n", "bits, not bytes"),
+        Mistake(_STATE_SIG + "    every = sum(p.numel() * 4 for p in model.parameters())  # 4 bytes per float\n"
+                "    trainable = sum(p.numel() * 4 for p in model.parameters() if p.requires_grad)\n"
+                "    return every + trainable * {\"sgd\": 1, \"momentum\": 2, \"adam\": 3}[optimizer_name]\n",
+                "4 bytes per value were assumed"),
+        Mistake(_STATE_SIG + "    every = sum(p.numel() * p.element_size() for p in model.parameters())\n"
+                "    trainable = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)\n"
+                "    buffers = {\"sgd\": 0, \"momentum\": 1, \"adam\": 2}[optimizer_name]\n"
+                "    return every + trainable + every * buffers  # no gradient for frozen parameters\n",
+                "optimizer state was counted for the frozen parameters"),
+        Mistake(_STATE_SIG + "    every = sum(p.numel() * p.element_size() for p in model.parameters())\n"
+                "    trainable = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)\n"
+                "    buffers = {\"sgd\": 0, \"momentum\": 0, \"adam\": 2}[optimizer_name]  # momentum: still SGD\n"
+                "    return every + trainable * (1 + buffers)\n",
+                "counted like plain SGD"),
     ],
 ))
 
@@ -193,6 +226,13 @@ def _oom_cases() -> list[tuple[dict, str]]:
         (_oom(40 * _GIB, 23.65 * _GIB, 20.2 * _GIB, 3.3 * _GIB, 3.0 * _GIB, 120 * _MIB), "too big"),
         # a little fragmentation, but less than the request: still too big
         (_oom(2 * _GIB, 79.1 * _GIB, 1.1 * _GIB, 77.9 * _GIB, 76.6 * _GIB, 900 * _MIB), "too big"),
+        # exactly the request reserved but unallocated: "at least" holds, fragmentation
+        (_oom(1 * _GIB, 15.77 * _GIB, 200 * _MIB, 15.77 * _GIB - 300 * _MIB, 14.6 * _GIB, 1 * _GIB), "fragmentation"),
+        # other processes hold exactly the request: "at least" holds
+        (_oom(2 * _GIB, 79 * _GIB, 300 * _MIB, 79 * _GIB - 300 * _MIB - 2 * _GIB, 76.2 * _GIB, 400 * _MIB),
+         "other processes"),
+        # both hold: the first rule decides, fragmentation (PyTorch's own cached memory is the first fix)
+        (_oom(2 * _GIB, 23.65 * _GIB, 150 * _MIB, 20.5 * _GIB, 17.9 * _GIB, 2.5 * _GIB), "fragmentation"),
     ]
 
 
@@ -211,6 +251,19 @@ def _check_diagnose(diagnose):
         shown = _("for an OOM with {numbers}: diagnose returned {got!r}, expected {expected!r}").format(
             numbers=", ".join(f"{k} {format_bytes(v)}" for k, v in oom.items()), got=got, expected=expected)
         others = oom["capacity"] - oom["free"] - oom["process"]
+        if expected == "fragmentation" and oom["reserved_unallocated"] == oom["requested"]:
+            raise Incorrect(_("{shown}: likely mistake: `>` instead of `>=`: the memory reserved but unallocated "
+                              "({cached}) is exactly the request, and 'at least the request' includes "
+                              "equality").format(shown=shown, cached=format_bytes(oom['reserved_unallocated'])))
+        if expected == "other processes" and others == oom["requested"]:
+            raise Incorrect(_("{shown}: likely mistake: `>` instead of `>=`: other processes hold capacity - free - "
+                              "process = {others}, exactly the request, and 'at least the request' includes "
+                              "equality").format(shown=shown, others=format_bytes(others)))
+        if expected == "fragmentation" and got == "other processes" and others >= oom["requested"]:
+            raise Incorrect(_("{shown}: likely mistake: the other processes were checked first; here both hold "
+                              "(other processes {others}, reserved but unallocated {cached}), and the order given "
+                              "decides: fragmentation first").format(
+                shown=shown, others=format_bytes(others), cached=format_bytes(oom['reserved_unallocated'])))
         if expected == "fragmentation":
             raise Incorrect(_("{shown}: likely mistake: the 'reserved but unallocated' memory was ignored; PyTorch "
                               "holds {cached} of free cached memory, more than the request, yet could not use it: "
@@ -260,6 +313,18 @@ register(Exercise(
                 "        return \"fragmentation\"\n"
                 "    return \"too big\"\n",
                 "freeing them (another notebook's kernel?)"),
+        Mistake(_DIAG_SIG + "    if oom[\"reserved_unallocated\"] > oom[\"requested\"]:\n"
+                "        return \"fragmentation\"\n"
+                "    others = oom[\"capacity\"] - oom[\"free\"] - oom[\"process\"]\n"
+                "    if others > oom[\"requested\"]:\n"
+                "        return \"other processes\"\n"
+                "    return \"too big\"\n", "`>` instead of `>=`"),
+        Mistake(_DIAG_SIG + "    others = oom[\"capacity\"] - oom[\"free\"] - oom[\"process\"]\n"
+                "    if others >= oom[\"requested\"]:\n"
+                "        return \"other processes\"\n"
+                "    if oom[\"reserved_unallocated\"] >= oom[\"requested\"]:\n"
+                "        return \"fragmentation\"\n"
+                "    return \"too big\"\n", "the other processes were checked first"),
     ],
 ))
 
@@ -478,6 +543,12 @@ def _check_clean_epoch(clean_epoch):
             raise Incorrect(_("the losses still carry their autograd graph (grad_fn): likely mistake: the loss was "
                               "kept without .detach(); a loss kept this way before backward, or in evaluation "
                               "without no_grad, keeps every activation alive; append loss.detach()"))
+        if len(errors) > 1 and len(losses) + len(errors) == len(_LEAK_SIZES):
+            raise Incorrect(_("of the batches of {sizes} samples only the one of 128 runs out of memory here, but "
+                              "{errors} did: likely mistake: something kept the failed step's tensors alive after "
+                              "the except block (the exception object in a variable, whose __traceback__ holds "
+                              "the step's frames), so the next batch had less memory; keep only str(e)").format(
+                sizes=list(_LEAK_SIZES), errors=len(errors)))
         if len(errors) != 1 or len(losses) != 2:
             raise Incorrect(_("of the batches of {sizes} samples only the one of 128 runs out of memory "
                               "here: expected 2 losses and 1 error, got {losses} and {errors}").format(
@@ -498,8 +569,29 @@ def _check_clean_epoch(clean_epoch):
     if not _same_parameters(model, oracle):
         raise Incorrect(_("the parameters differ from two plain training steps on the batches that fit: zero the "
                           "gradients before each step, then forward, backward and optimizer.step()"))
+    _check_other_errors_reach_the_caller(clean_epoch)
     return _("memory after recovery is back to the model, its gradients and {count} small loss tensors").format(
         count=len(losses))
+
+
+def _check_other_errors_reach_the_caller(clean_epoch):
+    """Only running out of memory is skipped: a batch with a bug (the wrong number of features) must raise."""
+    model, opt, batches = _leak_setup()
+    with seeded(12):
+        buggy = (torch.randn(16, 31), torch.randint(0, 10, (16,)))  # the model takes 32 features
+    try:
+        result = clean_epoch(model, opt, [batches[0], buggy, batches[2]])
+    except AnswerTimeout:
+        raise
+    except Exception:  # the shape error (or any error) reached the caller: as it should
+        return
+    errors = result[1] if isinstance(result, tuple) and len(result) == 2 and isinstance(result[1], list) else []
+    raise Incorrect(_("a batch with a bug (16 samples of 31 features, for a model that takes 32) raised a "
+                      "RuntimeError that is not an out-of-memory error, and clean_epoch went on{recorded}: likely "
+                      "mistake: the except clause is broader than torch.OutOfMemoryError (Exception, RuntimeError "
+                      "or a bare except), which hides real bugs as skipped batches; catch torch.OutOfMemoryError "
+                      "only, and let every other error reach the caller").format(
+        recorded=_(" (recorded as {error})").format(error=_short(errors[0])) if errors else ""))
 
 
 _LEAK_SIG = ("def clean_epoch(model, optimizer, batches):\n"
@@ -548,6 +640,19 @@ register(Exercise(
                 "            optimizer.step()\n            losses.append(loss.item())\n"
                 "        except torch.OutOfMemoryError as e:\n            errors.append(str(e))\n"
                 "    return losses, errors\n", "per-step .item()"),
+        Mistake(_LEAK_SIG + "    losses, errors = [], []\n    for x, y in batches:\n"
+                "        optimizer.zero_grad(set_to_none=True)\n        try:\n"
+                "            loss = F.cross_entropy(model(x), y)\n            loss.backward()\n"
+                "            optimizer.step()\n            losses.append(loss.detach())\n"
+                "        except Exception as e:  # skip whatever goes wrong\n            errors.append(str(e))\n"
+                "    return losses, errors\n", "broader than torch.OutOfMemoryError"),
+        Mistake(_LEAK_SIG + "    losses, errors, last_error = [], [], None\n    for x, y in batches:\n"
+                "        optimizer.zero_grad(set_to_none=True)\n        try:\n"
+                "            loss = F.cross_entropy(model(x), y)\n            loss.backward()\n"
+                "            optimizer.step()\n            losses.append(loss.detach())\n"
+                "        except torch.OutOfMemoryError as e:\n            errors.append(str(e))\n"
+                "            last_error = e  # kept to look at later\n"
+                "    return losses, errors\n", "something kept the failed step's tensors alive"),
     ],
 ))
 
@@ -569,7 +674,8 @@ def _max_batch_cases() -> list[tuple[int, int, int]]:
             (1_900_000, 318_000, 24 * _MIB),                # not a whole number: round down
             (40 * _MIB, 2 * _MIB, 40 * _MIB + 96 * _MIB),  # exactly 48 fit: the boundary fits
             (30 * _MIB, 1 * _MIB, 24 * _MIB),              # nothing fits
-            (3 * _GIB, 37 * _MIB, 16 * _GIB)]              # a GPU-sized case
+            (3 * _GIB, 37 * _MIB, 16 * _GIB),              # a GPU-sized case
+            (23 * _MIB, 1 * _MIB, 24 * _MIB)]              # exactly one sample fits: peak_at(1) == budget
 
 
 def _check_max_batch_size(max_batch_size):
@@ -590,6 +696,15 @@ def _check_max_batch_size(max_batch_size):
         if got < 0:
             raise Incorrect(_("{shown}: likely mistake: a negative batch size; return 0 when even one sample "
                               "does not fit").format(shown=shown))
+        if got == expected - 1 and fixed + per * expected == budget:
+            raise Incorrect(_("{shown}: likely mistake: a peak equal to the budget was taken as not fitting: the "
+                              "peak at batch size {expected} is exactly the budget, and that fits (peak_at(b) <= "
+                              "budget, not <)").format(shown=shown, expected=expected))
+        if 0 < got < expected and got & (got - 1) == 0 and fixed + per * 2 * got > budget:
+            raise Incorrect(_("{shown}: likely mistake: the batch size was doubled until the next doubling no "
+                              "longer fits, which finds only powers of two; the largest batch that fits lies "
+                              "between {got} and {double}: solve fixed + per_sample * b <= budget for b").format(
+                shown=shown, got=got, double=2 * got))
         if got == budget // per or got == math.ceil(budget / per):
             raise Incorrect(_("{shown}: likely mistake: the fixed part (parameters, gradients, optimizer state) "
                               "was ignored; only what is left of the budget after it is shared by the "
@@ -625,6 +740,13 @@ register(Exercise(
         Mistake(_MAX_SIG + "    return budget // peak_at(1)\n", "counts the fixed part once per sample"),
         Mistake(_MAX_SIG + "    per_sample = peak_at(2) - peak_at(1)\n    fixed = peak_at(1) - per_sample\n"
                 "    import math\n    return max(0, math.ceil((budget - fixed) / per_sample))\n", "rounded up"),
+        Mistake(_MAX_SIG + "    if peak_at(1) >= budget:\n        return 0  # not even one sample fits\n"
+                "    per_sample = peak_at(2) - peak_at(1)\n    fixed = peak_at(1) - per_sample\n"
+                "    return (budget - fixed) // per_sample\n", "a peak equal to the budget"),
+        Mistake(_MAX_SIG + "    b = 0\n    while peak_at(b + 1) < budget:\n        b += 1\n    return b\n",
+                "a peak equal to the budget"),
+        Mistake(_MAX_SIG + "    if peak_at(1) > budget:\n        return 0\n    b = 1\n"
+                "    while peak_at(2 * b) <= budget:\n        b *= 2\n    return b\n", "only powers of two"),
     ],
 ))
 
@@ -638,9 +760,11 @@ def _accumulation_setup() -> tuple[nn.Module, torch.optim.Optimizer, list[tuple[
     return model, opt, batches
 
 
-def _group_updates(batches, k: int, divide: Callable[[int], float], last: bool = True, each: bool = False):
+def _group_updates(batches, k: int, divide: Callable[[int], float], last: bool = True, each: bool = False,
+                   zero_each: bool = False):
     """Parameters after accumulation by a given rule: loss / divide(group size); the last group applied or not;
-    `each`: a step after every micro-batch (no accumulation)."""
+    `each`: a step after every micro-batch (no accumulation); `zero_each`: zero_grad before every micro-batch
+    (only the group's last micro-batch counts)."""
     model, opt, _batches = _accumulation_setup()
     groups = [batches[i:i + k] for i in range(0, len(batches), k)]
     if not last and len(groups[-1]) < k:
@@ -648,6 +772,8 @@ def _group_updates(batches, k: int, divide: Callable[[int], float], last: bool =
     for group in groups:
         opt.zero_grad(set_to_none=True)
         for x, y in group:
+            if zero_each:
+                opt.zero_grad(set_to_none=True)
             (F.cross_entropy(model(x), y) / divide(len(group))).backward()
             if each:
                 opt.step()
@@ -673,14 +799,31 @@ def _check_accumulate(accumulate):
         x, y = torch.cat([b[0] for b in group]), torch.cat([b[1] for b in group])
         F.cross_entropy(oracle(x), y).backward()
         oracle_opt.step()
-    if _same_parameters(model, oracle):
-        return _("every update equals the big batch's, the short last group included")
     sizes = [len(batches[i:i + k]) for i in range(0, len(batches), k)]
     shown = _("with {count} micro-batches and k={k} (groups of {sizes})").format(count=len(batches), k=k, sizes=sizes)
+    if _same_parameters(model, oracle):
+        # the same run on a model whose p.grad still holds the gradients of an earlier backward (a cell run before)
+        model, opt, _batches = _accumulation_setup()
+        with seeded(30):
+            F.cross_entropy(model(torch.randn(4, 12)), torch.randint(0, 10, (4,))).backward()
+        call(accumulate, model, opt, list(batches), k, name="accumulate", check_mutation=False)
+        if not _same_parameters(model, oracle):
+            raise Incorrect(_("{shown}, on a model whose p.grad still held the gradients of an earlier backward: "
+                              "the parameters differ from one step per group: likely mistake: zero_grad() only "
+                              "after each step, so the first group's step also applied those old gradients; call "
+                              "optimizer.zero_grad() at the start of each group, before its first "
+                              "backward").format(shown=shown))
+        return _("every update equals the big batch's, the short last group included")
     if _same_parameters(model, _group_updates(batches, k, lambda n: k, last=False)):
-        raise Incorrect(_("{shown}: likely mistake: the last group ({last} micro-batch) was never applied: "
-                          "with a step only when (i + 1) % k == 0, its gradients are computed and then lost; step "
-                          "after the last micro-batch too").format(shown=shown, last=sizes[-1]))
+        raise Incorrect(_("{shown}: likely mistake: the last group ({last} micro-batch) was never applied: a step "
+                          "only when (i + 1) % k == 0, or a loop over the full groups only, leaves out the "
+                          "micro-batches after the last full group; the shorter last group needs its step "
+                          "too").format(shown=shown, last=sizes[-1]))
+    if _same_parameters(model, _group_updates(batches, k, lambda n: n, zero_each=True)) or \
+            _same_parameters(model, _group_updates(batches, k, lambda n: 1, zero_each=True)):
+        raise Incorrect(_("{shown}: likely mistake: zero_grad() before every micro-batch, which throws away the "
+                          "gradients the group accumulated so far, so each step applies only the last "
+                          "micro-batch's; zero_grad once per group, before its first backward").format(shown=shown))
     if _same_parameters(model, _group_updates(batches, k, lambda n: k)):
         raise Incorrect(_("{shown}: likely mistake: the shorter last group's loss was divided by k; divide each "
                           "group's losses by the number of micro-batches in that group").format(shown=shown))
@@ -733,6 +876,18 @@ register(Exercise(
         Mistake(_ACC_SIG + "    for x, y in batches:\n        optimizer.zero_grad()\n"
                 "        F.cross_entropy(model(x), y).backward()\n        optimizer.step()\n",
                 "a step after every micro-batch"),
+        Mistake(_ACC_SIG + "    for start in range(0, len(batches), k):\n        group = batches[start:start + k]\n"
+                "        for x, y in group:\n            (F.cross_entropy(model(x), y) / len(group)).backward()\n"
+                "        optimizer.step()\n        optimizer.zero_grad()  # ready for the next group\n",
+                "so the first group's step also applied those old gradients"),
+        Mistake(_ACC_SIG + "    for g in range(len(batches) // k):\n        group = batches[g * k:(g + 1) * k]\n"
+                "        optimizer.zero_grad()\n        for x, y in group:\n"
+                "            (F.cross_entropy(model(x), y) / len(group)).backward()\n        optimizer.step()\n",
+                "a loop over the full groups only"),
+        Mistake(_ACC_SIG + "    for start in range(0, len(batches), k):\n        group = batches[start:start + k]\n"
+                "        for x, y in group:\n            optimizer.zero_grad()\n"
+                "            (F.cross_entropy(model(x), y) / len(group)).backward()\n        optimizer.step()\n",
+                "zero_grad() before every micro-batch"),
     ],
 ))
 
@@ -764,6 +919,15 @@ _FIT_RULES = [  # (a rule a learner may write, its feedback)
         "estimate.total")),
     (lambda e, free: e.total - e.parameters - e.batch < free,
      N_("a step that needs exactly the free memory does not fit with `<`; it does: use `<=`")),
+    (lambda e, free: e.total - e.parameters <= free,
+     N_("only the parameters were subtracted; the batch is already on the device too, so it is not in what is "
+        "free either: compare total - parameters - batch")),
+    (lambda e, free: e.total - e.parameters - e.batch - e.optimizer_state <= free,
+     N_("the optimizer state was subtracted as if it were already in memory; before the first step it does not "
+        "exist yet: optimizer.step() creates it, inside the predicted peak")),
+    (lambda e, free: e.total - e.parameters - e.batch - e.gradients <= free,
+     N_("the gradients were subtracted as if they were already in memory; before the first step there are none: "
+        "backward creates them, inside the predicted peak")),
 ]
 
 
@@ -774,7 +938,8 @@ def _check_will_fit(will_fit):
         needed = est.total - est.parameters - est.batch
         parts = est.parameters + est.gradients + est.optimizer_state + est.activations
         for free in (needed, needed - 1, (needed + est.total) // 2, (est.activations + needed) // 2,
-                     (needed + min(parts, est.total)) // 2, est.total, est.activations):
+                     (needed + min(parts, est.total)) // 2, est.total, est.activations,
+                     needed + est.batch // 2, needed - est.gradients // 2, needed - est.optimizer_state // 2):
             cases.append((est, free, needed <= free))
     answers = []
     for est, free, _fits in cases:
@@ -823,5 +988,12 @@ register(Exercise(
                 "            + estimate.activations) <= free_bytes\n", "added up"),
         Mistake(_FIT_SIG + "    return estimate.total - estimate.parameters - estimate.batch < free_bytes\n",
                 "use `<=`"),
+        Mistake(_FIT_SIG + "    return estimate.total - estimate.parameters <= free_bytes  # the model is there\n",
+                "the batch is already on the device too"),
+        Mistake(_FIT_SIG + "    # the model, its optimizer and the batch are already on the device\n"
+                "    existing = estimate.parameters + estimate.optimizer_state + estimate.batch\n"
+                "    return estimate.total - existing <= free_bytes\n", "before the first step it does not exist yet"),
+        Mistake(_FIT_SIG + "    existing = estimate.parameters + estimate.gradients + estimate.batch\n"
+                "    return estimate.total - existing <= free_bytes\n", "before the first step there are none"),
     ],
 ))

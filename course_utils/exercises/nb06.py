@@ -117,6 +117,11 @@ def _check_autocast_roles(autocast_roles):
             raise Incorrect(_("for {label}: {shown}: likely mistake: only torch.bfloat16 was treated as low "
                               "precision; autocast uses torch.float16 on older GPUs and Apple MPS: count both").format(
                 label=label, shown=shown))
+        if all(e == "lowers" and g == "follows" for g, e in wrong.values()):
+            raise Incorrect(_("for {label}: {shown}: likely mistake: 'follows' was decided before 'lowers' (from_low "
+                              "read first); an op that lowers also gives 16 bits for 16-bit inputs, so look at "
+                              "from_fp32 first: only an op that keeps float32 inputs in float32 can "
+                              "'follow'").format(label=label, shown=shown))
         if any(e == "follows" and g == "float32" for g, e in wrong.values()):
             raise Incorrect(_("for {label}: {shown}: likely mistake: only from_fp32 was read; an op that returns "
                               "float32 for float32 inputs still runs in low precision when it is fed low-precision "
@@ -172,6 +177,32 @@ register(Exercise(
                 "    low = (torch.bfloat16, torch.float16)\n"
                 "    return {name: \"lowers\" if a in low else \"follows\" if b in low else \"float32\"\n"
                 "            for name, (a, b) in table.items()}\n", "refused that input"),
+        Mistake("def autocast_roles(table):\n"
+                "    low = (torch.bfloat16, torch.float16)\n"
+                "    roles = {}\n"
+                "    for name, (from_fp32, from_low) in table.items():\n"
+                "        if from_fp32 is None or from_low is None:\n"
+                "            roles[name] = \"refused\"\n"
+                "        elif from_low in low:\n"
+                "            roles[name] = \"follows\"  # 16-bit in, 16-bit out\n"
+                "        elif from_fp32 in low:\n"
+                "            roles[name] = \"lowers\"\n"
+                "        else:\n"
+                "            roles[name] = \"float32\"\n"
+                "    return roles\n", "'follows' was decided before 'lowers'"),
+        Mistake("def autocast_roles(table):\n"
+                "    low = (torch.bfloat16, torch.float16)\n"
+                "    roles = {}\n"
+                "    for name, (from_fp32, from_low) in table.items():\n"
+                "        if from_fp32 is None:  # the op refused float32 inputs\n"
+                "            roles[name] = \"refused\"\n"
+                "        elif from_fp32 in low:\n"
+                "            roles[name] = \"lowers\"\n"
+                "        elif from_low in low:\n"
+                "            roles[name] = \"follows\"\n"
+                "        else:\n"
+                "            roles[name] = \"float32\"\n"
+                "    return roles\n", "a None entry means the op refused that input"),
     ],
 ))
 
@@ -212,6 +243,22 @@ def _check_flushed_fraction(flushed_fraction):
         if got == 0.0 and expected > 0:
             raise Incorrect(_("{label}: likely mistake: nothing flushed, as with bfloat16, which keeps float32's "
                               "range; the question is about torch.float16").format(label=label))
+        scaled = grads * scale
+        below = lambda values, limit: int(((values != 0) & (values < limit)).sum()) / nonzero  # noqa: E731
+        tiny = torch.finfo(torch.float16).tiny
+        if abs(got - below(scaled.abs(), tiny)) <= 1e-6:
+            raise Incorrect(_("{label}: likely mistake: the values below float16's smallest normal number "
+                              "(torch.finfo(torch.float16).tiny, about 6.1e-05) were counted as flushed, but float16 "
+                              "keeps subnormal values down to about 6e-08; cast and compare instead: x.half() == "
+                              "0").format(label=label))
+        if abs(got - below(scaled.abs(), 2.0 ** -24)) <= 1e-6:
+            raise Incorrect(_("{label}: likely mistake: the values below float16's smallest subnormal (2**-24, about "
+                              "6e-08) were counted as flushed, but those from half of it up round to it, not to 0; "
+                              "cast and compare instead: x.half() == 0").format(label=label))
+        if any(abs(got - below(scaled, limit)) <= 1e-6 for limit in (2.0 ** -25, 2.0 ** -24, tiny)):
+            raise Incorrect(_("{label}: likely mistake: every negative value was counted as flushed, since x < "
+                              "threshold holds for all of them; compare magnitudes (x.abs()), or cast and test "
+                              "x.half() == 0").format(label=label))
         raise Incorrect(label)
     zeros = torch.zeros(5)
     got = call(flushed_fraction, zeros, 1.0, name="flushed_fraction")
@@ -247,6 +294,16 @@ register(Exercise(
                 "zero to begin with"),
         Mistake(_FLUSH_SIG + "    x = grads * scale\n    nz = x != 0\n"
                 "    return float((nz & (x.bfloat16() == 0)).sum() / max(int(nz.sum()), 1))\n", "bfloat16"),
+        Mistake(_FLUSH_SIG + "    grads *= scale  # scale first\n    nonzero = grads != 0\n"
+                "    n = int(nonzero.sum())\n"
+                "    return int((nonzero & (grads.half() == 0)).sum()) / n if n else 0.0\n", "changed its argument"),
+        Mistake(_FLUSH_SIG + "    x = grads * scale\n    nonzero = x != 0\n"
+                "    flushed = nonzero & (x.abs() < torch.finfo(torch.float16).tiny)  # below float16's smallest\n"
+                "    n = int(nonzero.sum())\n    return int(flushed.sum()) / n if n else 0.0\n", "smallest normal"),
+        Mistake(_FLUSH_SIG + "    x = grads * scale\n    nonzero = x != 0\n"
+                "    flushed = nonzero & (x < 2 ** -24)  # float16's smallest subnormal\n"
+                "    n = int(nonzero.sum())\n    return int(flushed.sum()) / n if n else 0.0\n",
+                "every negative value was counted"),
     ],
 ))
 
@@ -275,6 +332,8 @@ def _run_learner_step(fp16_step, model, optimizer, scaler, x, y, label: str):
     first = model[0]
     seen: list[torch.dtype] = []
     handle = first.register_forward_hook(lambda m, args, out: seen.append(out.dtype))
+    stepped: list[int] = []  # optimizer.step() calls, directly or through scaler.step
+    step_handle = optimizer.register_step_pre_hook(lambda opt, args, kwargs: stepped.append(1))
     try:
         out = call(fp16_step, model, optimizer, scaler, x, y, name="fp16_step", check_mutation=False)
     except Incorrect as exc:
@@ -285,6 +344,10 @@ def _run_learner_step(fp16_step, model, optimizer, scaler, x, y, label: str):
         if "_scale is None" in text or "scaler.scale(" in text:
             raise Incorrect(_("{text}: likely mistake: loss.backward() without scaler.scale(loss): the scaler has "
                               "nothing to unscale; call scaler.scale(loss).backward()").format(text=text)) from None
+        if "prior to update" in text and not stepped:
+            raise Incorrect(_("{text}: likely mistake: scaler.update() ran before scaler.step(optimizer); update() "
+                              "reads what step() found (inf/nan or not), so the order is scaler.step(optimizer), "
+                              "then scaler.update()").format(text=text)) from None
         if "No inf checks were recorded" in text:
             raise Incorrect(_("{text}: likely mistake: optimizer.step() was called directly, so the scaled gradients "
                               "were applied and the scaler never checked them; call scaler.step(optimizer), which "
@@ -296,6 +359,7 @@ def _run_learner_step(fp16_step, model, optimizer, scaler, x, y, label: str):
         raise Incorrect(text) from None
     finally:
         handle.remove()
+        step_handle.remove()
     if seen and seen[0] != torch.float16:
         which = "bfloat16" if seen[0] == torch.bfloat16 else str(seen[0]).removeprefix("torch.")
         raise Incorrect(_("{label}: the first Linear layer produced {which}, expected float16: wrap the forward "
@@ -325,11 +389,22 @@ def _check_fp16_step(fp16_step):
         if out.requires_grad:
             raise Incorrect(_("fp16_step returned a loss that still holds the autograd graph: return loss.detach()"))
         if not torch.allclose(out.float(), ref_loss.float(), rtol=1e-3, atol=1e-4):
+            if torch.allclose(out.float(), ref_loss.float() * scaler.get_scale(), rtol=1e-3) or \
+                    torch.allclose(out.float(), ref_loss.float() * ref_scaler.get_scale(), rtol=1e-3):
+                raise Incorrect(_("step {k} returned a loss of {loss:.5f}, the cross-entropy {expected:.5f} times "
+                                  "the scale: likely mistake: the scaled loss was returned; keep the loss itself, "
+                                  "call backward on scaler.scale(loss), and return loss.detach()").format(
+                    k=k, loss=float(out), expected=float(ref_loss)))
             raise Incorrect(_("step {k} returned a loss of {loss:.5f}; cross-entropy of the batch under float16 "
                               "autocast is {expected:.5f}").format(k=k, loss=float(out), expected=float(ref_loss)))
         for p, q, p0, q0 in zip(model.parameters(), ref.parameters(), before, ref_before):
             if torch.allclose(p, q, rtol=1e-4, atol=1e-6):
                 continue
+            if out.dtype == torch.float16:
+                raise Incorrect(_("step {k}: the loss is float16 and the weights differ from the reference: likely "
+                                  "mistake: the loss was computed after the autocast block, on its float16 output; "
+                                  "compute it inside the block, where autocast runs cross_entropy in "
+                                  "float32").format(k=k))
             moved, ref_moved = (p.detach() - p0).norm(), (q.detach() - q0).norm()
             if ref_moved > 0 and moved / ref_moved > 100:
                 raise Incorrect(_("step {k} moved the weights {ratio:.0f}x too far: likely "
@@ -410,6 +485,22 @@ register(Exercise(
                 "        loss = F.cross_entropy(model(x), y)\n"
                 "    scaler.scale(loss).backward()\n    scaler.step(optimizer)\n    scaler.update()\n"
                 "    return loss.detach()\n", "produced bfloat16"),
+        Mistake(_STEP_SIG + "    optimizer.zero_grad()\n"
+                "    with torch.amp.autocast(x.device.type, dtype=torch.float16):\n"
+                "        loss = F.cross_entropy(model(x), y)\n"
+                "    scaler.scale(loss).backward()\n    scaler.update()  # adapt the scale first\n"
+                "    scaler.step(optimizer)\n    return loss.detach()\n", "scaler.update() ran before"),
+        Mistake(_STEP_SIG + "    optimizer.zero_grad()\n"
+                "    with torch.amp.autocast(x.device.type, dtype=torch.float16):\n"
+                "        loss = scaler.scale(F.cross_entropy(model(x), y))\n"
+                "    loss.backward()\n    scaler.step(optimizer)\n    scaler.update()\n"
+                "    return loss.detach()\n", "the scaled loss was returned"),
+        Mistake(_STEP_SIG + "    optimizer.zero_grad()\n"
+                "    with torch.amp.autocast(x.device.type, dtype=torch.float16):\n"
+                "        logits = model(x)\n"
+                "    loss = F.cross_entropy(logits, y)\n"
+                "    scaler.scale(loss).backward()\n    scaler.step(optimizer)\n    scaler.update()\n"
+                "    return loss.detach()\n", "computed after the autocast block"),
     ],
 ))
 
@@ -472,6 +563,20 @@ def _check_matmul_precision(matmul_precision):
         if inside != "medium":
             raise Incorrect(_("inside `with matmul_precision('medium'):` the precision was {inside!r}, expected "
                               "'medium'").format(inside=inside))
+        # the same with a block that raises, before judging the first: the two together tell the causes apart
+        torch.set_float32_matmul_precision("highest")
+        cm = call(matmul_precision, "high", name="matmul_precision")
+        _enter(cm, "matmul_precision('high')", probe=True)
+        after_raise = _precision()
+        if after == "medium" and after_raise == "highest":
+            raise Incorrect(_("after the block the precision is still 'medium', expected 'high' (the setting "
+                              "before); it is put back only when the block raises: likely mistake: the restore is "
+                              "in an except clause; put it in a finally, which runs on both ways out"))
+        if after == "medium":
+            raise Incorrect(_("after the block the precision is still 'medium', expected 'high' (the setting "
+                              "before): likely mistake: nothing was put back, or the value put back was read after "
+                              "setting the new one; read torch.get_float32_matmul_precision() before "
+                              "torch.set_float32_matmul_precision(precision), and set it back in a finally"))
         if after != "high":
             if after == "highest":
                 raise Incorrect(_("after the block the precision is {after!r}, expected 'high' (the setting before): "
@@ -480,14 +585,10 @@ def _check_matmul_precision(matmul_precision):
                                   "first").format(after=after))
             raise Incorrect(_("after the block the precision is {after!r}, expected 'high' (the setting "
                               "before)").format(after=after))
-        torch.set_float32_matmul_precision("highest")
-        cm = call(matmul_precision, "high", name="matmul_precision")
-        _enter(cm, "matmul_precision('high')", probe=True)
-        after = _precision()
-        if after != "highest":
+        if after_raise != "highest":
             raise Incorrect(_("an exception inside the with block left the precision at {after!r} instead of "
                               "restoring 'highest': likely mistake: the restore is skipped when the block raises; "
-                              "put it in a finally").format(after=after))
+                              "put it in a finally").format(after=after_raise))
     finally:
         torch.set_float32_matmul_precision(original)
     return _("set inside, the previous value back afterwards, even when the block raises")
@@ -522,6 +623,21 @@ register(Exercise(
         Mistake("def matmul_precision(precision):\n"
                 "    \"\"\"Inside the with block, float32 matmuls use `precision`; afterwards the previous setting "
                 "is back.\"\"\"\n    torch.set_float32_matmul_precision(precision)\n", "context manager"),
+        Mistake(_PREC_SIG + "    torch.set_float32_matmul_precision(precision)\n"
+                "    previous = torch.get_float32_matmul_precision()\n"
+                "    try:\n        yield\n    finally:\n        torch.set_float32_matmul_precision(previous)\n",
+                "read after setting the new one"),
+        Mistake(_PREC_SIG + "    previous = torch.get_float32_matmul_precision()\n"
+                "    torch.set_float32_matmul_precision(precision)\n"
+                "    try:\n        yield\n    except Exception:\n"
+                "        torch.set_float32_matmul_precision(previous)\n        raise\n",
+                "it is put back only when the block raises"),
+        Mistake(_PREC_SIG + "    previous = torch.get_float32_matmul_precision()\n"
+                "    torch.set_float32_matmul_precision(precision)\n"
+                "    try:\n        yield\n    except Exception:\n"
+                "        pass  # an error in the block must not break the setting\n"
+                "    finally:\n        torch.set_float32_matmul_precision(previous)\n",
+                "swallowed it"),
     ],
 ))
 
@@ -619,6 +735,11 @@ def _check_break_even(amp_break_even):
          lambda b: 1024 * max(5000, 1000 + 30 * b), lambda b: 1024 * max(5000, 500 + 20 * b), 4096),
         (N_("a model where autocast never saves memory"), lambda b: 1024 * (4000 + 10 * b),
          lambda b: 1024 * (6000 + 10 * b), 4096),
+        # the edges of the range: a saving only at max_batch itself, and one from batch 1
+        (N_("a model where autocast saves memory only at max_batch itself"), lambda b: 1024 * (1000 + 30 * b),
+         lambda b: 1024 * (41950 + 20 * b), 4096),
+        (N_("an image model whose activations dominate, where autocast saves from batch 1"),
+         lambda b: 1024 * (1000 + 300 * b), lambda b: 1024 * (1100 + 150 * b), 4096),
         (N_("the wide MLP above (estimate_training_memory)"), _estimated(net, opt, False), _estimated(net, opt, True),
          4096),
     ]
@@ -646,6 +767,13 @@ def _check_break_even(amp_break_even):
             raise Incorrect(_("{shown}: at batch {batch} autocast's peak is {amp_peak}, float32's "
                               "{fp32_peak}: no batch up to max_batch saves memory, return None").format(
                 shown=shown, batch=got, amp_peak=format_bytes(amp(got)), fp32_peak=format_bytes(fp32(got))))
+        if got is None and expected == max_batch:
+            raise Incorrect(_("{shown}: at max_batch = {batch} itself, autocast's peak ({amp_peak}) is below "
+                              "float32's ({fp32_peak}): likely mistake: a search that ends at max_batch was taken "
+                              "as finding nothing; max_batch is a size like any other: return None only when it "
+                              "does not save either").format(
+                shown=shown, batch=expected, amp_peak=format_bytes(amp(expected)),
+                fp32_peak=format_bytes(fp32(expected))))
         if got is None:
             raise Incorrect(_("{shown}: from batch {batch}, autocast's peak ({amp_peak}) is "
                               "below float32's ({fp32_peak}): likely mistake: waiting for a large "
@@ -663,9 +791,17 @@ def _check_break_even(amp_break_even):
             raise Incorrect(_("{shown}: at batch {batch} autocast's peak is still {excess} "
                               "above float32's: likely mistake: the search stops one step early (off by one)").format(
                 shown=shown, batch=got, excess=format_bytes(amp(got) - fp32(got))))
-        raise Incorrect(_("{shown}: autocast already saves at batch {batch}: likely mistake: doubling the batch "
-                          "overshoots; search between the last size without a saving and the first with one").format(
-            shown=shown, batch=expected))
+        if expected == 1:
+            raise Incorrect(_("{shown}: autocast already saves at batch 1, the smallest size: likely mistake: the "
+                              "search never tests batch 1 itself (a bisection whose lower end is taken as not "
+                              "saving); test it too").format(shown=shown))
+        if got & (got - 1) == 0:
+            raise Incorrect(_("{shown}: autocast already saves at batch {batch}: likely mistake: doubling the batch "
+                              "overshoots; search between the last size without a saving and the first with "
+                              "one").format(shown=shown, batch=expected))
+        raise Incorrect(_("{shown}: autocast already saves at batch {batch}, below {got}: the search went past the "
+                          "first size that saves; keep the smallest size found to save as the upper end").format(
+            shown=shown, batch=expected, got=got))
     b = expected
     measured = {n: _measured_peaks(net, opt, n) for n in (b - 1, b)}
     agree = (measured[b - 1][1] >= measured[b - 1][0]) and (measured[b][1] < measured[b][0])
@@ -735,5 +871,11 @@ register(Exercise(
         Mistake(_BE_DOC + "    batch = 1\n    while batch <= max_batch:\n"
                 "        if peak(batch, amp=True) < peak(batch):\n            return batch\n"
                 "        batch *= 2\n    return None\n", "doubling the batch overshoots"),
+        Mistake(_be_variant("    if not saves(max_batch):\n        return None\n", "").replace(
+            "    return lo\n", "    return lo if lo < max_batch else None  # the search ran to the end: none\n"),
+                "a search that ends at max_batch"),
+        Mistake(_be_variant("            lo = mid + 1\n", "            lo = mid\n").replace(
+            "    while lo < hi:\n", "    while hi - lo > 1:  # lo: no saving, hi: saving\n").replace(
+            "    return lo\n", "    return hi\n"), "the search never tests batch 1 itself"),
     ],
 ))

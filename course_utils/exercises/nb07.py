@@ -18,7 +18,7 @@ from torch import nn
 
 from ..i18n import N_, _
 from ._sync import HostReads, on_device
-from .core import Exercise, Incorrect, Mistake, call, describe, register
+from .core import AnswerTimeout, Exercise, Incorrect, Mistake, NotAttempted, call, describe, register
 
 # --- a tiny, fixed training problem the checkers run the learner's code on ---------------------------
 
@@ -33,7 +33,7 @@ def _problem(seed: int = 0, n: int = 48, batch: int = 16):
     return model, optimizer, nn.CrossEntropyLoss(), loader
 
 
-def _reference_epoch(model, optimizer, loss_fn, loader) -> float:
+def _reference_epoch(model, optimizer, loss_fn, loader, batch_losses: list | None = None) -> float:
     total, count = 0.0, 0
     for x, y in loader:
         optimizer.zero_grad()
@@ -42,7 +42,12 @@ def _reference_epoch(model, optimizer, loss_fn, loader) -> float:
         optimizer.step()
         total += loss.item() * len(y)
         count += len(y)
+        if batch_losses is not None:
+            batch_losses.append(loss.item())
     return total / count
+
+
+_EPOCH_SAMPLES = 40  # 07.1: batches of 16, 16 and 8
 
 
 def _as_loss(value, label: str) -> float:
@@ -60,16 +65,28 @@ def _as_loss(value, label: str) -> float:
 def _check_train_one_epoch(train_one_epoch):
     if not callable(train_one_epoch):
         raise Incorrect(_("train_one_epoch should be a function, got {value}").format(value=describe(train_one_epoch)))
-    model, opt, loss_fn, loader = _problem()
+    model, opt, loss_fn, loader = _problem(n=_EPOCH_SAMPLES)  # batches of 16, 16 and 8: the last is smaller
     ref_model, ref_opt = copy.deepcopy(model), None
     ref_opt = torch.optim.SGD(ref_model.parameters(), lr=0.1, momentum=0.9)
-    expected = _reference_epoch(ref_model, ref_opt, loss_fn, loader)
+    batch_losses = []
+    expected = _reference_epoch(ref_model, ref_opt, loss_fn, loader, batch_losses)
     on_gpu = [(on_device(x), on_device(y)) for x, y in loader]  # batches "on the device": host reads are counted
-    with HostReads() as reads:
-        out = call(train_one_epoch, model, opt, loss_fn, on_gpu, name="train_one_epoch", check_mutation=False)
+    steps = []  # at each optimizer.step(), the gradients it was given (read after the epoch: no host read)
+    step_hook = opt.register_step_pre_hook(lambda o, args, kwargs: steps.append(
+        [p.grad.detach().clone() for group in o.param_groups for p in group["params"] if p.grad is not None]))
+    try:
+        with HostReads() as reads:
+            out = call(train_one_epoch, model, opt, loss_fn, on_gpu, name="train_one_epoch", check_mutation=False)
+    finally:
+        step_hook.remove()
     got = _as_loss(out, "train_one_epoch")
     weights_equal = all(torch.allclose(p, q, atol=1e-6) for p, q in zip(model.parameters(), ref_model.parameters()))
-    if all(torch.equal(p, q) for p, q in zip(model.parameters(), _problem()[0].parameters())):
+    if all(torch.equal(p, q) for p, q in zip(model.parameters(), _problem(n=_EPOCH_SAMPLES)[0].parameters())):
+        if steps and not any(bool(g.any()) for grads in steps for g in grads):
+            raise Incorrect(_("the model's weights did not change: optimizer.step() ran {count} times, but every "
+                              "time without gradients: likely mistake: zero_grad() between backward() and step() "
+                              "wipes them; the order is zero_grad, forward and loss, backward, step").format(
+                count=len(steps)))
         raise Incorrect(_("the model's weights did not change: likely mistake: optimizer.step() is never called"))
     if not weights_equal:
         raise Incorrect(_("the weights after your epoch differ from a correct loop's: likely mistake: "
@@ -79,6 +96,19 @@ def _check_train_one_epoch(train_one_epoch):
         raise Incorrect(_("returned {got:.4f}, a multiple of the mean loss {expected:.4f}: likely mistake: "
                           "the sum of the batch losses is returned instead of the mean over samples").format(
                               got=got, expected=expected))
+    sizes = [len(y) for _, y in loader]
+    if math.isclose(got, sum(batch_losses) / len(batch_losses), rel_tol=1e-4):
+        raise Incorrect(_("returned {got:.4f}, the mean of the batch losses; the mean over samples is "
+                          "{expected:.4f}: likely mistake: a mean of means, dividing by the number of batches; with "
+                          "batches of {sizes} samples the last one counts less: weight each batch loss by len(y) "
+                          "and divide by the number of samples").format(got=got, expected=expected, sizes=sizes))
+    for size in sorted(set(sizes)):
+        if math.isclose(got, expected * n_samples / (size * len(loader)), rel_tol=1e-4):
+            raise Incorrect(_("returned {got:.4f}, expected {expected:.4f}: likely mistake: every batch was counted "
+                              "as {size} samples ({steps} x {size} = {counted}), but the batches hold {sizes}: "
+                              "{samples} samples; count len(y) of each batch").format(
+                got=got, expected=expected, size=size, steps=len(loader), counted=size * len(loader), sizes=sizes,
+                samples=n_samples))
     if not math.isclose(got, expected, rel_tol=1e-4, abs_tol=1e-6):
         raise Incorrect(_("the weights are right but the returned loss is {got:.6f}, expected the epoch's mean "
                           "loss {expected:.6f} (batch losses weighted by batch size)").format(got=got, expected=expected))
@@ -139,6 +169,15 @@ register(Exercise(
         Mistake(_EPOCH_SOLUTION.replace("    return (total / count).item()  # one sync per epoch\n",
                                         "    print(\"epoch loss\", total / count)\n    return (total / count).item()\n"),
                 "one is enough"),
+        Mistake(_EPOCH_SOLUTION.replace("        total += loss.detach() * len(y)  # stays a tensor: no sync\n",
+                                        "        total += loss.detach()\n").replace(
+            "        count += len(y)\n", "        count += 1\n"), "a mean of means"),
+        Mistake(_EPOCH_SOLUTION.replace("        count += len(y)\n", "").replace(
+            "    return (total / count).item()  # one sync per epoch\n",
+            "    return (total / (len(loader) * len(y))).item()\n"), "every batch was counted as 8 samples"),
+        Mistake(_EPOCH_SOLUTION.replace("        optimizer.zero_grad()\n", "").replace(
+            "        loss.backward()\n", "        loss.backward()\n        optimizer.zero_grad()\n"),
+                "every time without gradients"),
     ],
 ))
 
@@ -167,11 +206,20 @@ def _check_mini_trainer(MiniTrainer):
         raise Incorrect(_("trainer(2) returned {got}, expected {expected} (the mean loss of each epoch)").format(
             got=[round(v, 5) for v in losses], expected=[round(v, 5) for v in expected[:2]]))
     second = call(trainer, 1, name="trainer")
+    if isinstance(second, list) and len(second) == 3 and second[:2] == losses:
+        raise Incorrect(_("trainer(1) after trainer(2) returned 3 losses, the whole history: likely mistake: "
+                          "__call__ returns self.history; return only this call's losses (and add them to "
+                          "self.history)"))
     if not isinstance(second, list) or len(second) != 1:
         raise Incorrect(_("trainer(1) should return a list with one loss, got {value}").format(value=describe(second)))
     if not math.isclose(_as_loss(second[0], "trainer(1)"), expected[2], rel_tol=1e-4, abs_tol=1e-6):
         raise Incorrect(_("the third epoch's loss is wrong: does a second call continue training the same model?"))
     history = getattr(trainer, "history", None)
+    if isinstance(history, list) and history and all(isinstance(h, list) for h in history):
+        raise Incorrect(_("after trainer(2) and trainer(1), trainer.history is {value}, a list of lists: likely "
+                          "mistake: self.history.append(losses) adds the whole list as one item; extend it "
+                          "(self.history += losses) so that it holds one loss per epoch").format(
+            value=describe(history)))
     if not isinstance(history, list) or len(history) != 3:
         raise Incorrect(_("after trainer(2) and trainer(1), trainer.history should hold all 3 losses, got "
                           "{value}: likely mistake: history is reset inside __call__").format(value=describe(history)))
@@ -208,6 +256,14 @@ register(Exercise(
         Mistake(_MINI_HEAD + "    def fit(self, epochs):\n"
                 "        return [train_one_epoch(self.model, self.optimizer, self.loss_fn, self.loader)\n"
                 "                for _ in range(epochs)]\n", "with another name"),
+        Mistake(_MINI_HEAD + "    def __call__(self, epochs):\n        for _ in range(epochs):\n"
+                "            loss = train_one_epoch(self.model, self.optimizer, self.loss_fn, self.loader)\n"
+                "            self.history.append(loss)\n"
+                "        return self.history\n", "__call__ returns self.history"),
+        Mistake(_MINI_HEAD + "    def __call__(self, epochs):\n"
+                "        losses = [train_one_epoch(self.model, self.optimizer, self.loss_fn, self.loader)\n"
+                "                  for _ in range(epochs)]\n"
+                "        self.history.append(losses)\n        return losses\n", "a list of lists"),
     ],
 ))
 
@@ -218,15 +274,37 @@ class _Crash(Exception):
     pass
 
 
+def _target(f):
+    """The file torch.save is writing: a path as given, or the name of an open file (None if it has none)."""
+    if isinstance(f, (str, os.PathLike)):
+        return f
+    name = getattr(f, "name", None)
+    return name if isinstance(name, (str, os.PathLike)) else None
+
+
 def _check_save_atomically(save_atomically):
     if not callable(save_atomically):
         raise Incorrect(_("save_atomically should be a function, got {value}").format(value=describe(save_atomically)))
     real_save = torch.save
     with tempfile.TemporaryDirectory() as folder:
         path = Path(folder) / "ckpt.pt"
-        call(save_atomically, {"w": torch.arange(3.0)}, path, name="save_atomically", check_mutation=False)
+        targets = []  # where torch.save wrote
+
+        def recording_save(obj, f, *args, **kwargs):
+            targets.append(_target(f))
+            return real_save(obj, f, *args, **kwargs)
+
+        with mock.patch.object(torch, "save", recording_save):
+            call(save_atomically, {"w": torch.arange(3.0)}, path, name="save_atomically", check_mutation=False)
         if not path.exists():
             raise Incorrect(_("nothing was written at `path`"))
+        outside = [t for t in targets if t is not None and Path(t).resolve().parent != path.resolve().parent]
+        if outside:
+            raise Incorrect(_("the temporary file was written to {where}, outside the folder of `path` ({folder}): "
+                              "likely mistake: a temporary file in the system's temporary folder; os.replace is "
+                              "atomic only within one file system, and across two it fails (or a move falls back to "
+                              "a copy, which is not atomic): write the temporary file next to `path`").format(
+                where=Path(outside[0]).parent, folder=path.parent))
         try:
             loaded = torch.load(path, weights_only=True)
         except Exception as exc:
@@ -240,18 +318,26 @@ def _check_save_atomically(save_atomically):
                               "mistake: the temporary file is copied instead of renamed (os.replace)").format(
                                   files=sorted(os.listdir(folder))))
 
+        crashed_into = []
+
         def crashing_save(obj, f, *args, **kwargs):  # the disk fills up half-way through the write
+            crashed_into.append(_target(f))
             if hasattr(f, "write"):
                 f.write(b"PK\x03\x04 half a checkpoint")
             else:
                 Path(f).write_bytes(b"PK\x03\x04 half a checkpoint")
             raise _Crash("disk full")
 
+        raised = False
         with mock.patch.object(torch, "save", crashing_save):
             try:
                 save_atomically({"w": torch.ones(3)}, path)
             except _Crash:
-                pass
+                raised = True
+            except (AnswerTimeout, KeyboardInterrupt):
+                raise
+            except NotImplementedError:
+                raise NotAttempted() from None
             except Exception as exc:
                 raise Incorrect(_("when the write fails, save_atomically raised {error}: {message}; let "
                                   "the original error through").format(error=type(exc).__name__,
@@ -259,6 +345,12 @@ def _check_save_atomically(save_atomically):
         try:
             after = torch.load(path, weights_only=True)
         except Exception:
+            wrote_path = any(t is not None and Path(t).resolve() == path.resolve() for t in crashed_into)
+            if crashed_into and all(t is not None for t in crashed_into) and not wrote_path:
+                raise Incorrect(_("a write that failed half-way destroyed the previous checkpoint: torch.save wrote "
+                                  "to a temporary file, but that half-written file was then moved onto `path`: "
+                                  "likely mistake: os.replace runs even when torch.save failed (in a finally); "
+                                  "replace only after torch.save has returned")) from None
             raise Incorrect(_("a write that failed half-way destroyed the previous checkpoint: likely mistake: "
                               "writing straight to `path`; write a temporary file in the same folder, then "
                               "os.replace it onto `path`")) from None
@@ -268,6 +360,10 @@ def _check_save_atomically(save_atomically):
         if left:
             raise Incorrect(_("a failed write left {files} behind: likely mistake: the temporary file is not "
                               "removed when saving fails (try/except, then os.remove)").format(files=left))
+        if not raised:
+            raise Incorrect(_("when torch.save failed (a full disk), save_atomically returned as if the checkpoint "
+                              "had been saved: likely mistake: the error was caught and not raised again, so the "
+                              "caller goes on without a checkpoint; clean up, then `raise`"))
     assert torch.save is real_save
     return _("a crash mid-write leaves the previous checkpoint intact and no litter behind")
 
@@ -299,6 +395,17 @@ register(Exercise(
                 "not removed when saving fails"),
         Mistake(_SAVE_HEAD + "    tmp = Path(str(path) + '.tmp')\n    torch.save(obj, tmp)\n"
                 "    shutil.copy(tmp, path)\n", "copied instead of renamed"),
+        Mistake(_SAVE_HEAD + "    path = Path(path)\n    tmp = path.with_name(path.name + \".tmp\")\n    try:\n"
+                "        torch.save(obj, tmp)\n        os.replace(tmp, path)\n    except Exception:\n"
+                "        if tmp.exists():\n            tmp.unlink()\n"
+                "        return False  # not saved this time: training goes on\n", "not raised again"),
+        Mistake(_SAVE_HEAD + "    import tempfile\n    fd, tmp = tempfile.mkstemp(suffix=\".pt\")  # a fresh name\n"
+                "    os.close(fd)\n    try:\n        torch.save(obj, tmp)\n        os.replace(tmp, path)\n"
+                "    except BaseException:\n        os.remove(tmp)\n        raise\n", "outside the folder of `path`"),
+        Mistake(_SAVE_HEAD + "    path = Path(path)\n    tmp = path.with_name(path.name + \".tmp\")\n    try:\n"
+                "        torch.save(obj, tmp)\n    finally:\n"
+                "        os.replace(tmp, path)  # never leave the tmp behind\n",
+                "os.replace runs even when torch.save failed"),
     ],
 ))
 

@@ -2,7 +2,8 @@
 
 08.1 the learning rate of a configuration (global batch, linear scaling, warm-up), 08.2 shard a dataset by rank
 (every sample on a rank, the same count on every rank), 08.3 gradient accumulation under DDP with `no_sync()`
-(checked on a process group of one process in this process, all-reduces counted with a comm hook), 08.4 which
+(checked on a process group of one process in this process, all-reduces counted with a comm hook, then run again
+with torch.distributed.get_world_size() answering 2: the update must not depend on it), 08.4 which
 snippets make the replicas drift apart (the key is checked for real on 2 processes by tests/test_nb08_demos.py), 08.5 the
 number of steps between checkpoints for a failure rate and a save's cost (Young's approximation), judged by the
 exact expected time lost (course_utils.failures, which tests/test_failures.py checks against a simulation).
@@ -15,6 +16,7 @@ import numbers
 import os
 import tempfile
 from collections import Counter
+from unittest import mock
 
 import numpy as np
 import torch
@@ -57,8 +59,9 @@ def _as_index_list(value, label: str) -> list[int]:
     return out
 
 
-_SHARD_CASES = [(100, 8), (10, 4), (8, 2), (7, 3), (3, 4), (1, 2), (9, 2)]  # the first is large: a random answer
-# cannot repeat itself between two calls by chance
+# the first is large: a random answer cannot repeat itself between two calls by chance; (2, 5): fewer samples than
+# half the ranks, one wrap-around is not enough
+_SHARD_CASES = [(100, 8), (10, 4), (8, 2), (7, 3), (3, 4), (1, 2), (9, 2), (2, 5)]
 
 
 def _check_shard_indices(shard_indices):
@@ -89,6 +92,13 @@ def _check_shard_indices(shard_indices):
             raise Incorrect(_("{where}, every rank gets all {n} samples: each rank would train on the whole "
                               "dataset, so one step sees the data world_size times; give each rank its own share").format(
                                   where=where, n=n))
+        once = list(range(n)) + list(range(n))[: math.ceil(n / world) * world - n]  # wrapped around only once
+        if len(set(counts)) > 1 and shards == [once[rank::world] for rank in range(world)]:
+            raise Incorrect(_("{where}, the ranks get {counts} samples: unequal counts, because the list was "
+                              "wrapped around only once: with fewer samples than half the ranks, {n} + {n} is "
+                              "still short of {total}; keep appending the first samples until the list holds "
+                              "ceil(n / world_size) x world_size = {total}").format(
+                where=where, counts=counts, n=n, total=math.ceil(n / world) * world))
         if len(set(counts)) > 1:
             raise Incorrect(_("{where}, the ranks get {counts} samples: unequal counts. With batches, one rank "
                               "then runs more steps than another, and its last backward waits for an all-reduce the "
@@ -111,6 +121,13 @@ def _check_shard_indices(shard_indices):
                               "rank shuffle with its own seed? Ranks never exchange their indices, so any shuffle must "
                               "be the same seed on every rank (the same permutation), and each rank then takes its "
                               "part").format(where=where, missing=missing[:5], twice=twice[:5]))
+        unordered = next((r for r, sh in enumerate(shards) if sum(b < a for a, b in zip(sh, sh[1:])) > 1), None)
+        if unordered is not None:
+            raise Incorrect(_("{where}, rank {rank} gets {shard}: not in order: likely mistake: the indices were "
+                              "shuffled (with a seed shared by every rank, so they agree); this exercise asks for "
+                              "the order without shuffling, as DistributedSampler(shuffle=False) gives: rank r takes "
+                              "every world_size-th index from r").format(
+                where=where, rank=unordered, shard=shards[unordered][:8]))
         if Counter(sum(shards, [])) != Counter(sum(expected, [])):
             extra = sorted((Counter(sum(shards, [])) - Counter(range(n))).elements())
             want = sorted((Counter(sum(expected, [])) - Counter(range(n))).elements())
@@ -162,6 +179,14 @@ register(Exercise(
                 "    total = math.ceil(n / world_size) * world_size\n"
                 "    while len(order) < total:\n        order += order[: total - len(order)]\n"
                 "    return order[rank:total:world_size]\n", "differs between two calls"),
+        Mistake(_SHARD_HEAD + "    total = math.ceil(n / world_size) * world_size\n"
+                "    indices = list(range(n))\n    indices += indices[: total - n]  # pad with the first samples\n"
+                "    return indices[rank:total:world_size]\n", "wrapped around only once"),
+        Mistake(_SHARD_HEAD + "    g = torch.Generator().manual_seed(0)  # the same seed on every rank\n"
+                "    order = torch.randperm(n, generator=g).tolist()\n"
+                "    total = math.ceil(n / world_size) * world_size\n"
+                "    while len(order) < total:\n        order += order[: total - len(order)]\n"
+                "    return order[rank:total:world_size]\n", "not in order"),
     ],
 ))
 
@@ -226,6 +251,17 @@ def _check_scaled_lr(scaled_lr):
             if step < warmup and math.isclose(got, target, rel_tol=1e-9):
                 raise Incorrect(_("{at}: likely mistake: no warm-up; during the first {warmup} steps the rate "
                                   "should climb linearly from base_lr to the scaled rate").format(at=at, warmup=warmup))
+            ratio = glob // base_batch
+            if glob % base_batch and math.isclose(got, _lr_with(base_lr * ratio, step, base_lr, warmup),
+                                                  rel_tol=1e-9, abs_tol=1e-15):
+                raise Incorrect(_("{at}: likely mistake: integer division, global batch // base batch = {glob} // "
+                                  "{base_batch} = {ratio}; the ratio is {exact:g}: divide with /").format(
+                    at=at, glob=glob, base_batch=base_batch, ratio=ratio, exact=glob / base_batch))
+            if 0 < warmup and step < warmup and math.isclose(got, _lr_with(target, step + 1, base_lr, warmup),
+                                                             rel_tol=1e-9):
+                raise Incorrect(_("{at}: likely mistake: the warm-up is one step ahead, (step + 1) / warmup_steps; "
+                                  "at step 0 the rate is base_lr itself, and it reaches the scaled rate at step "
+                                  "warmup_steps").format(at=at))
             if step < warmup and math.isclose(got, target * step / warmup, rel_tol=1e-9, abs_tol=1e-15):
                 raise Incorrect(_("{at}: likely mistake: the warm-up starts at 0; Goyal et al. start it at base_lr "
                                   "(the rate that works for the base batch) and climb linearly to the scaled "
@@ -269,6 +305,12 @@ register(Exercise(
                 "starts at 0"),
         Mistake(_LR_HEAD + "    target = base_lr * math.sqrt(world_size * batch_per_process * accumulate / base_batch)\n"
                 + _LR_NO_WARMUP, "square-root scaling"),
+        Mistake(_LR_HEAD + "    target = base_lr * world_size * batch_per_process * accumulate / base_batch\n"
+                "    if step < warmup_steps:\n"
+                "        return base_lr + (target - base_lr) * (step + 1) / warmup_steps  # steps count from 1\n"
+                "    return target\n", "one step ahead"),
+        Mistake(_LR_HEAD + "    k = world_size * batch_per_process * accumulate // base_batch  # times bigger\n"
+                "    target = base_lr * k\n" + _LR_NO_WARMUP, "integer division"),
     ],
 ))
 
@@ -310,7 +352,10 @@ def _check_diverging(answer):
         raise Incorrect(_("; ").join(_(_WHY[w]) for w in wrong))
     missing = sorted(DIVERGING - letters)
     if missing:
-        raise Incorrect(_("one is missing: {why}").format(why=_("; ").join(_(_WHY[m]) for m in missing)))
+        why = _("; ").join(_(_WHY[m]) for m in missing)
+        if len(missing) == 1:
+            raise Incorrect(_("one is missing: {why}").format(why=why))
+        raise Incorrect(_("{count} are missing: {why}").format(count=len(missing), why=why))
     return _("A, C and G: anything that makes one rank's update differ (a rate, a clip, an optimizer step) or its "
              "starting point differ without DDP's broadcast; 2 real processes drift apart on exactly these")
 
@@ -333,6 +378,8 @@ register(Exercise(
         Mistake("diverging = {\"A\", \"C\", \"E\", \"G\"}", "E is harmless"),
         Mistake("diverging = {\"C\", \"G\"}", "A steps the scheduler on rank 0 only"),
         Mistake("diverging = \"ACG\"", "got the string"),
+        Mistake("diverging = {\"A\"}", "2 are missing"),
+        Mistake("diverging = {\"A\", \"C\"}", "G diverges"),
     ],
 ))
 
@@ -406,9 +453,15 @@ def _oracles(micro) -> dict[str, list[torch.Tensor]]:
             p.grad = torch.full_like(p, 7.0)
         full(m)
 
+    def first_size(m):  # total taken as k x the first micro-batch's size
+        (loss_fn(m(x), y) * total / (len(micro) * len(micro[0][1]))).backward()
+
+    def halved(m):  # divided by a world size of 2
+        (loss_fn(m(x), y) / 2).backward()
+
     return {name: _after_step(fn) for name, fn in
             [("full", full), ("unweighted", unweighted), ("one_over_k", one_over_k), ("last_only", last_only),
-             ("stale", stale)]}
+             ("stale", stale), ("first_size", first_size), ("halved", halved)]}
 
 
 def _close(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
@@ -416,13 +469,77 @@ def _close(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
 
 
 def _check_accumulate_step(accumulate_step):
-    from torch.nn.parallel import DistributedDataParallel
-
     if not callable(accumulate_step):
         raise Incorrect(_("accumulate_step should be a function, got {value}").format(
             value=describe(accumulate_step)))
     micro = _micro_batches()
     oracles = _oracles(micro)
+    weights, steps, allreduces = _run_accumulate_step(accumulate_step, micro)
+    k = len(micro)
+    if len(steps) != 1:
+        raise Incorrect(_("optimizer.step() ran {count} times for {k} micro-batches: likely mistake: {why}").format(
+            count=len(steps), k=k,
+            why=_("a step per micro-batch; accumulate the gradients of all of them, then step once")
+            if len(steps) > 1 else _("no optimizer step at the end")))
+    if not allreduces:
+        raise Incorrect(_("no gradient all-reduce ran: the last micro-batch's forward or backward ran inside "
+                          "no_sync too (DDP decides at the forward whether the backward communicates), or not "
+                          "through ddp_model, so the gradients were never averaged over ranks. Run the last "
+                          "micro-batch's forward and backward through ddp_model outside no_sync()"))
+    if len(allreduces) >= k:
+        raise Incorrect(_("the gradients were all-reduced after every micro-batch ({count} bucket all-reduces "
+                          "for {k} micro-batches): likely mistake: no no_sync(), or only the backward inside it (DDP "
+                          "decides at the forward). Run the forward and backward of all but the last micro-batch "
+                          "inside `with ddp_model.no_sync():`, so only the last backward communicates").format(
+                              count=len(allreduces), k=k))
+    if _close(weights, oracles["full"]):
+        # the check runs on one process; told there are two ranks, the answer must make the same update (DDP
+        # averages: nothing in the step depends on the number of ranks)
+        weights, _steps, _allreduces = _run_accumulate_step(accumulate_step, micro, told_world_size=2)
+        if _close(weights, oracles["halved"]):
+            raise Incorrect(_("this check runs on one process; when torch.distributed.get_world_size() told your "
+                              "step there were 2 ranks, its update came out half as large: likely mistake: the "
+                              "gradients (or the losses) were divided by the world size, but DDP's all-reduce "
+                              "already averages them over the ranks (the sum divided by world_size), so on N ranks "
+                              "this update would be N times too small"))
+        if not _close(weights, oracles["full"]):
+            raise Incorrect(_("this check runs on one process; when torch.distributed.get_world_size() told your "
+                              "step there were 2 ranks, its update changed: it must not depend on the number of "
+                              "ranks, since DDP's all-reduce already averages the gradients"))
+        return _("{count} all-reduce for {k} micro-batches, and the update of one batch of {total}: no_sync for "
+                 "all but the last, each loss weighted by its share of the samples").format(
+                     count=len(allreduces), k=k, total=sum(_SIZES))
+    for name, feedback in [
+            ("stale", _("the gradients left from before were kept: likely mistake: no optimizer.zero_grad() "
+                        "before the first backward")),
+            ("last_only", _("the update is that of the last micro-batch alone: likely mistake: zero_grad() inside "
+                            "the loop, which throws away the gradients accumulated so far")),
+            ("unweighted", _("the update is the sum of the micro-batches' mean-loss gradients: likely mistake: the "
+                             "losses are not weighted by share; weight each by len(targets) / total samples")),
+            ("one_over_k", _("each micro-batch's mean loss is weighted by 1/k: with micro-batches of different sizes "
+                             "({sizes}) weight each by len(targets) / total samples").format(
+                                 sizes=", ".join(map(str, _SIZES)))),
+            ("first_size", _("the update is {ratio:.2f} times that of one step on the {total} samples together: "
+                             "likely mistake: the total was taken as k x the first micro-batch's size ({k} x {first} "
+                             "= {counted}), but the micro-batches hold {sizes} samples: sum len(targets) over all "
+                             "of them").format(ratio=sum(_SIZES) / (k * _SIZES[0]), total=sum(_SIZES), k=k,
+                                               first=_SIZES[0], counted=k * _SIZES[0],
+                                               sizes=", ".join(map(str, _SIZES))))]:
+        if _close(weights, oracles[name]):
+            raise Incorrect(feedback)
+    raise Incorrect(_("the weights after your step differ from one step on the {total} samples together "
+                      "(largest difference {difference:.2e})").format(
+                          total=sum(_SIZES),
+                          difference=max((p - q).abs().max().item() for p, q in zip(weights, oracles["full"]))))
+
+
+def _run_accumulate_step(accumulate_step, micro, told_world_size: int | None = None
+                         ) -> tuple[list[torch.Tensor], list[int], list[int]]:
+    """The weights after the learner's step on a DDP model (a process group of one process, stale gradients 7.0
+    left in p.grad), the optimizer steps it made and the sizes of DDP's bucket all-reduces. `told_world_size`:
+    what torch.distributed.get_world_size() answers the learner's code during the call."""
+    from torch.nn.parallel import DistributedDataParallel
+
     with one_process_group():
         model = _net()
         ddp = DistributedDataParallel(model)
@@ -441,48 +558,16 @@ def _check_accumulate_step(accumulate_step):
         optimizer.step = lambda *a, **k: (steps.append(1), real_step(*a, **k))[1]
         for p in model.parameters():  # gradients left over from an earlier step: zero them first
             p.grad = torch.full_like(p, 7.0)
+        told = (mock.patch("torch.distributed.get_world_size", lambda *args, **kwargs: told_world_size)
+                if told_world_size is not None else contextlib.nullcontext())
         try:
-            call(accumulate_step, ddp, optimizer, nn.CrossEntropyLoss(), [(x.clone(), y.clone()) for x, y in micro],
-                 name="accumulate_step", check_mutation=False)
+            with told:
+                call(accumulate_step, ddp, optimizer, nn.CrossEntropyLoss(),
+                     [(x.clone(), y.clone()) for x, y in micro], name="accumulate_step", check_mutation=False)
             weights = [p.detach().clone() for p in model.parameters()]
         finally:
             del ddp, counting_allreduce
-    k = len(micro)
-    if len(steps) != 1:
-        raise Incorrect(_("optimizer.step() ran {count} times for {k} micro-batches: likely mistake: {why}").format(
-            count=len(steps), k=k,
-            why=_("a step per micro-batch; accumulate the gradients of all of them, then step once")
-            if len(steps) > 1 else _("no optimizer step at the end")))
-    if not allreduces:
-        raise Incorrect(_("no gradient all-reduce ran: the last backward ran inside no_sync too (or not through "
-                          "ddp_model), so the gradients were never averaged over ranks. Run the last micro-batch's "
-                          "forward and backward through ddp_model outside no_sync()"))
-    if len(allreduces) >= k:
-        raise Incorrect(_("the gradients were all-reduced after every micro-batch ({count} bucket all-reduces "
-                          "for {k} micro-batches): likely mistake: no no_sync(), or only the backward inside it (DDP "
-                          "decides at the forward). Run the forward and backward of all but the last micro-batch "
-                          "inside `with ddp_model.no_sync():`, so only the last backward communicates").format(
-                              count=len(allreduces), k=k))
-    if _close(weights, oracles["full"]):
-        return _("{count} all-reduce for {k} micro-batches, and the update of one batch of {total}: no_sync for "
-                 "all but the last, each loss weighted by its share of the samples").format(
-                     count=len(allreduces), k=k, total=sum(_SIZES))
-    for name, feedback in [
-            ("stale", _("the gradients left from before were kept: likely mistake: no optimizer.zero_grad() "
-                        "before the first backward")),
-            ("last_only", _("the update is that of the last micro-batch alone: likely mistake: zero_grad() inside "
-                            "the loop, which throws away the gradients accumulated so far")),
-            ("unweighted", _("the update is the sum of the micro-batches' mean-loss gradients: likely mistake: the "
-                             "losses are not weighted by share; weight each by len(targets) / total samples")),
-            ("one_over_k", _("each micro-batch's mean loss is weighted by 1/k: with micro-batches of different sizes "
-                             "({sizes}) weight each by len(targets) / total samples").format(
-                                 sizes=", ".join(map(str, _SIZES))))]:
-        if _close(weights, oracles[name]):
-            raise Incorrect(feedback)
-    raise Incorrect(_("the weights after your step differ from one step on the {total} samples together "
-                      "(largest difference {difference:.2e})").format(
-                          total=sum(_SIZES),
-                          difference=max((p - q).abs().max().item() for p, q in zip(weights, oracles["full"]))))
+    return weights, steps, allreduces
 
 
 _ACC_HEAD = "def accumulate_step(ddp_model, optimizer, loss_fn, micro_batches):\n"
@@ -531,6 +616,19 @@ register(Exercise(
                 "            (loss_fn(ddp_model(x), y) * len(y) / total).backward()\n            optimizer.step()\n"
                 "    x, y = last\n    (loss_fn(ddp_model(x), y) * len(y) / total).backward()\n    optimizer.step()\n",
                 "a step per micro-batch"),
+        Mistake(_ACC_SOLUTION.replace("    optimizer.step()\n",
+                                      "    for p in ddp_model.parameters():  # DDP sums the ranks' gradients\n"
+                                      "        p.grad /= torch.distributed.get_world_size()\n"
+                                      "    optimizer.step()\n"), "divided by the world size"),
+        Mistake(_ACC_SOLUTION.replace("    total = sum(len(y) for _, y in micro_batches)\n",
+                                      "    total = len(micro_batches) * len(micro_batches[0][1])\n"),
+                "the total was taken as k x the first micro-batch's size"),
+        Mistake(_ACC_HEAD + "    optimizer.zero_grad()\n    total = sum(len(y) for _, y in micro_batches)\n"
+                "    with ddp_model.no_sync():  # all the forwards first\n"
+                "        losses = [loss_fn(ddp_model(x), y) * len(y) / total for x, y in micro_batches]\n"
+                "        for loss in losses[:-1]:\n            loss.backward()\n"
+                "    losses[-1].backward()  # outside no_sync: this one all-reduces\n    optimizer.step()\n",
+                "forward or backward ran inside no_sync"),
     ],
 ))
 
@@ -563,6 +661,10 @@ def _wrong_interval(k: int, step_s: float, save_s: float, mtbf_s: float) -> str:
     if formula < 1:
         return _("Here sqrt(2 * save_s * mtbf_s) is shorter than one step (the formula gives {formula:.2f} "
                  "steps): save after every step, 1").format(formula=formula)
+    if k == 1 and formula >= 2:
+        return _("Young's approximation: sqrt(2 * save_s * mtbf_s) seconds of training between saves, divided by "
+                 "step_s: {formula:.0f} steps here. If the 1 comes from min(1, ...): min caps the interval at one "
+                 "step, while 'at least 1' is max(1, ...)").format(formula=formula)
     candidates = [
         (math.sqrt(2 * save_s * mtbf_s), _("that is the interval in seconds, sqrt(2 * save_s * mtbf_s); divide it by "
                                            "step_s for a number of steps")),
@@ -678,6 +780,10 @@ register(Exercise(
                 "876,\n            (1, 30, 86400): 2277, (2.0, 0.01, 60.0): 1, (3.0, 0.5, 5.0): 1, (1.0, 0.01, 10.0): 1,\n"
                 "            (1.0, 0.0, 3600.0): 1}.get((step_s, save_s, mtbf_s), 100)\n", "Young's approximation"),
         Mistake(_INTERVAL_HEAD + "    return sys.maxsize  # never save\n", "more than 50 times"),
+        Mistake(_INTERVAL_HEAD + "    return min(1, round(math.sqrt(2 * save_s * mtbf_s) / step_s))  # at least 1\n",
+                "min caps the interval at one step"),
+        Mistake(_INTERVAL_HEAD + "    return max(1, math.sqrt(2 * save_s * mtbf_s) // step_s)  # whole steps\n",
+                "return a whole number of steps"),
         Mistake(_INTERVAL_HEAD + "    return max(1, round((2 * save_s * mtbf_s) ** 2 / step_s))\n", "more than 50 times"),
         Mistake(_INTERVAL_HEAD + "    calls.append(1)\n    return max(1, round(math.sqrt(2 * save_s * mtbf_s) / step_s "
                 "* (1 + len(calls) % 2 / 10)))\n", "the same job should get the same interval"),
