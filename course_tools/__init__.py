@@ -3,7 +3,7 @@ imports this package.
 
 - `python -m course_tools.translate update|check|build|messages`: the Chinese edition from gettext catalogs.
 - `python -m course_tools.slides notebooks/`: the slide layout of every notebook (RISE).
-
-The answer key and the class grader are still `python -m course_utils.exercises solve|grade` (they move here with
-the grader's redesign).
+- `python -m course_tools.solve notebooks/ solved/`: the answer key (`--list`: every exercise).
+- `python -m course_tools.grade SUBMISSIONS/ --report report.html --csv report.csv`: grade a class
+  (`course_tools.grader`).
 """

@@ -578,11 +578,11 @@ def build_notebook(notebook: Path, out_dir: Path | None = None, *, keep_outputs_
 
 def solved_notebook(notebook: Path) -> dict:
     """The solved Chinese edition of an English notebook: every exercise blank replaced by its reference solution
-    (`course_utils.exercises.solve`), then translated by the notebook's catalog; the solutions' own text, which
+    (`course_tools.solve`), then translated by the notebook's catalog; the solutions' own text, which
     has no catalog entries, stays as written. Its cells' outputs are those of the English notebook (unrun)."""
     import nbformat
 
-    from course_utils.exercises.solve import solve_notebook
+    from course_tools.solve import solve_notebook
 
     english = solve_notebook(nbformat.read(notebook, as_version=4))
     return nbformat.from_dict(translate_notebook(english, load_catalog(notebook), strict=False,

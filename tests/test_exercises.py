@@ -14,9 +14,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from course_tools.solve import exercise_cells, solve_notebook
 from course_utils.exercises import CORRECT, INCORRECT, NOT_ATTEMPTED, evaluate, load_all
 from course_utils.exercises.core import describe
-from course_utils.exercises.solve import exercise_cells, solve_notebook
 from course_utils.i18n import N_, _, speaking
 
 import nbformat

@@ -1,4 +1,4 @@
-"""The class grader (`python -m course_utils.exercises grade`), on hostile submissions.
+"""The class grader (`python -m course_tools.grade`), on hostile submissions.
 
 tests/grader_submissions/ holds one small notebook per case (learner name = file stem, plus `frank/`, a learner
 with a folder of two notebooks): correct, incorrect and not attempted answers to exercises 01.1 and 01.4, and
@@ -20,9 +20,10 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from course_utils.exercises import grade as grader
-from course_utils.exercises.__main__ import main as cli
-from course_utils.exercises.solve import solve_notebook
+from course_tools import grader
+from course_tools.grader.cli import main as cli
+from course_tools.grader.run import _answer_name, _solution_calls
+from course_tools.solve import solve_notebook
 
 ROOT = Path(__file__).resolve().parents[1]
 SUBMISSIONS = Path(__file__).resolve().parent / "grader_submissions"
@@ -80,7 +81,7 @@ def graded(tmp_path_factory):
     subs, cwd = _prepare(base, shell=grader.Sandbox.probe().mounts, port=listener.getsockname()[1])
     before = {"subs": _snapshot(subs), "cwd": _snapshot(cwd)}
     try:
-        run = subprocess.run([sys.executable, "-m", "course_utils.exercises", "grade", str(subs), "--report",
+        run = subprocess.run([sys.executable, "-m", "course_tools.grade", str(subs), "--report",
                               str(base / "report.html"), "--csv", str(base / "report.csv"), "--jobs", "2", *LIMITS],
                              cwd=cwd, capture_output=True, text=True, timeout=300)
     finally:
@@ -246,7 +247,7 @@ def test_the_real_solved_notebook_passes(tmp_path):
 # --- bad input, and the small pieces ------------------------------------------------------------------------
 
 def test_bad_input_gets_a_clear_message(tmp_path, capsys):
-    assert cli(["grade", str(tmp_path / "nowhere")]) == 2
+    assert cli([str(tmp_path / "nowhere")]) == 2
     assert "grade: error: " in (err := capsys.readouterr().err) and "no such folder" in err
     with pytest.raises(grader.GradeError, match="holds no .ipynb files"):
         grader.find_submissions(tmp_path)
@@ -259,9 +260,9 @@ def test_bad_input_gets_a_clear_message(tmp_path, capsys):
     with pytest.raises(grader.GradeError, match="both a notebook and a folder"):
         grader.find_submissions(tmp_path)
     with pytest.raises(SystemExit) as exit:
-        cli(["grade", str(tmp_path), "--memory", "lots"])
+        cli([str(tmp_path), "--memory", "lots"])
     assert exit.value.code == 2 and "expected a size such as 8G" in capsys.readouterr().err
-    assert cli(["grade", str(tmp_path), "--report", str(tmp_path / "no" / "r.html")]) == 2
+    assert cli([str(tmp_path), "--report", str(tmp_path / "no" / "r.html")]) == 2
     assert "does not exist" in capsys.readouterr().err
 
 
@@ -270,8 +271,8 @@ def test_sizes_and_solution_calls():
     assert grader.parse_size("1.5k") == 1536 and grader.parse_size("100") == 100
     with pytest.raises(ValueError):
         grader.parse_size("-1G")
-    assert grader._solution_calls('solution("01.1")\nx.solution(k)\n# solution("02.1")') == ["01.1", "?"]
-    assert grader._solution_calls('%time solution("01.2")') == ["01.2"]  # not Python: read as text
+    assert _solution_calls('solution("01.1")\nx.solution(k)\n# solution("02.1")') == ["01.1", "?"]
+    assert _solution_calls('%time solution("01.2")') == ["01.2"]  # not Python: read as text
     # The answer is the name the cell hands to check(), as the learner's own check saw it.
-    assert grader._answer_name('class MyScale: ...\ncheck("01.1", MyScale)\n', "01.1", "Scale") == "MyScale"
-    assert grader._answer_name('check("01.2", RunningMean)', "01.1", "Scale") == "Scale"
+    assert _answer_name('class MyScale: ...\ncheck("01.1", MyScale)\n', "01.1", "Scale") == "MyScale"
+    assert _answer_name('check("01.2", RunningMean)', "01.1", "Scale") == "Scale"

@@ -13,8 +13,8 @@ def test_ruff_is_clean_on_code_and_notebooks():
     ruff = shutil.which("ruff") or str(Path(sys.executable).parent / "ruff")
     if not Path(ruff).exists():
         pytest.skip("ruff is not installed (it is in requirements.txt)")
-    result = subprocess.run([ruff, "check", "course_utils", "tests", "benchmarks", "notebooks"], cwd=ROOT,
-                            capture_output=True, text=True)
+    result = subprocess.run([ruff, "check", "course_utils", "course_tools", "tests", "benchmarks", "notebooks"],
+                            cwd=ROOT, capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
 
 
@@ -78,6 +78,19 @@ def test_the_package_has_no_import_cycle_not_even_inside_functions(tmp_path):
     # the tool chain (translation, slides) is outside what learners import
     uses_tools = [str(p.relative_to(ROOT)) for p in (ROOT / "course_utils").rglob("*.py") if "course_tools" in p.read_text()]
     assert uses_tools == [], uses_tools
+    # the instructor's tools too; the grader's layers point one way, and its sandbox launcher (run as a script,
+    # `python -I -S sandbox.py`, so the standard library only) and the cells it runs in the kernel import nothing else
+    tools = _intra_package_imports(ROOT / "course_tools")
+    assert _cycle(tools) is None, "import cycle: " + " -> ".join(_cycle(tools))
+    assert tools["course_tools.grader.sandbox"] == tools["course_tools.grader.kernel"] == set()
+    for low in ("sandbox", "kernel", "limits", "results", "report"):
+        assert not {"course_tools.grader.run", "course_tools.grader.cli"} & tools[f"course_tools.grader.{low}"], low
+    import ast
+    launcher = ast.parse((ROOT / "course_tools" / "grader" / "sandbox.py").read_text())
+    imported = {a.name.split(".")[0] for n in ast.walk(launcher) if isinstance(n, ast.Import) for a in n.names}
+    imported |= {n.module.split(".")[0] for n in ast.walk(launcher) if isinstance(n, ast.ImportFrom) and n.module}
+    assert imported <= set(sys.stdlib_module_names), imported - set(sys.stdlib_module_names)
+    assert not any(isinstance(n, ast.ImportFrom) and n.level for n in ast.walk(launcher)), "a relative import"
     # the check sees a cycle hidden in a function-level import, and ignores one under TYPE_CHECKING
     pkg = tmp_path / "pkg"
     pkg.mkdir()

@@ -1,6 +1,6 @@
 """Run each notebook with every exercise filled in with its reference solution: every check must pass.
 
-This is the instructor's version (`python -m course_utils.exercises solve notebooks/ OUT`), executed from a
+This is the instructor's version (`python -m course_tools.solve notebooks/ OUT`), executed from a
 fresh kernel like a learner's restart-and-run-all. It runs once, in the Chinese edition
 (`translate.solved_notebook`: the English solved notebook translated by the same catalogs). The code is the same
 in both editions (tests/test_translation.py proves it token by token) and only the words differ, so this one run
@@ -13,7 +13,7 @@ import pytest
 from nbclient import NotebookClient
 
 from course_tools import translate
-from course_utils.exercises.solve import exercise_cells
+from course_tools.solve import exercise_cells
 
 NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
 WITH_EXERCISES = [p for p in sorted(NOTEBOOKS.glob("[0-9][0-9]_*.ipynb"))

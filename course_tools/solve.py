@@ -1,18 +1,20 @@
-"""Produce solved notebooks: every exercise blank replaced by its reference solution.
+"""The answer key: solved notebooks, every exercise blank replaced by its reference solution.
 
-    python -m course_utils.exercises solve notebooks/ solved/       # all notebooks
-    python -m course_utils.exercises solve notebooks/01_callables.ipynb solved/
+    python -m course_tools.solve notebooks/ solved/       # all notebooks
+    python -m course_tools.solve notebooks/01_callables.ipynb solved/
+    python -m course_tools.solve --list                   # every exercise of the course
 
 Outputs are cleared in the solved copies (run them to see every check pass).
 """
 from __future__ import annotations
 
+import argparse
 import re
 from pathlib import Path
 
 import nbformat
 
-from . import load_all
+from course_utils.exercises import load_all
 
 CHECK_CALL = re.compile(r"""check\(\s*["'](\d\d\.\d+)["']""")
 
@@ -59,3 +61,25 @@ def solve_paths(src: Path, out: Path) -> list[Path]:
         nbformat.write(solve_notebook(nb), target)
         written.append(target)
     return written
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m course_tools.solve",
+                                     description="write solved copies of the notebooks (the answer key)")
+    parser.add_argument("src", type=Path, nargs="?", help="a notebook or the notebooks/ folder")
+    parser.add_argument("out", type=Path, nargs="?", help="folder for the solved notebooks")
+    parser.add_argument("--list", action="store_true", help="list every exercise instead")
+    args = parser.parse_args(argv)
+    if args.list:
+        for ex_id, ex in sorted(load_all().items()):
+            print(f"{ex_id}  {ex.title}  ({len(ex.mistakes)} common mistakes, {len(ex.hints)} hints)")
+        return 0
+    if args.src is None or args.out is None:
+        parser.error("give SRC (a notebook or the notebooks/ folder) and OUT (a folder), or --list")
+    for path in solve_paths(args.src, args.out):
+        print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,558 @@
+"""The grading run: each notebook in a contained fresh kernel with the grader's cells added, then `grade()`.
+
+`grade(SUBMISSIONS, Limits(...))` finds the learners' notebooks, runs each one (`_Grading`: the notebook's code
+cells with the grader's own cells of `kernel` added, in a kernel started by the `sandbox` launcher), reads each
+exercise's framed result, checks the watched folders after each notebook and returns the `report.ClassReport`.
+"""
+from __future__ import annotations
+
+import ast
+import json
+import os
+import re
+import secrets
+import shutil
+import signal
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import nbformat
+from jupyter_client.manager import AsyncKernelManager
+from nbclient import NotebookClient
+from nbclient.exceptions import CellTimeoutError, DeadKernelError
+
+import course_utils.exercises as exercises
+
+from ..solve import exercise_cells
+from . import kernel
+from .limits import GradeError, Limits, format_size
+from .report import ClassReport
+from .results import INCORRECT, NOT_RUN, RANK, NotebookRun, Outcome
+from .sandbox import Sandbox
+
+_MAX_NOTEBOOK = 100 * 2 ** 20  # bytes of .ipynb the grader reads
+# The checkers the grader loads afresh in each kernel, and the course's folder (code compiled from there is its own).
+EXERCISES_DIR = os.path.dirname(os.path.abspath(exercises.__file__))
+COURSE_DIR = os.path.dirname(EXERCISES_DIR) + os.sep
+
+
+class _SetupFailed(Exception):
+    """The grader's own first cell failed in the kernel (a limit too tight for importing torch, ...)."""
+
+
+def find_submissions(root) -> dict[str, list]:
+    """{learner: [notebook paths]}: a notebook per learner (name = file stem) or a folder per learner."""
+    root = Path(root)
+    if not root.exists():
+        raise GradeError(f"{root}: no such folder")
+    if not root.is_dir():
+        raise GradeError(f"{root} is a file; give the folder that holds the learners' notebooks "
+                         "(one .ipynb per learner, or one folder per learner)")
+    learners: dict[str, list] = {}
+    for path in sorted(root.iterdir()):
+        if path.name.startswith("."):
+            continue
+        if path.is_file() and path.suffix == ".ipynb":
+            name, notebooks = path.stem, [path]
+        elif path.is_dir():
+            name = path.name
+            notebooks = sorted(p for p in path.rglob("*.ipynb")
+                               if not any(part.startswith(".") for part in p.relative_to(path).parts))
+        else:
+            continue
+        if name in learners:
+            raise GradeError(f"{root}: {name!r} is both a notebook and a folder; which one is the learner's?")
+        learners[name] = notebooks
+    if not any(learners.values()):
+        raise GradeError(f"{root} holds no .ipynb files: expected one notebook per learner (alice.ipynb) or one "
+                         "folder of notebooks per learner (alice/01_callables.ipynb)")
+    return learners
+
+
+def _solution_calls(source: str) -> list[str]:
+    """Exercise ids of `solution(...)` calls written in a cell ("?" for an id that is not a literal)."""
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:  # IPython magics: fall back to the text
+        return [m.group(1) or "?" for m in re.finditer(r"\bsolution\(\s*(?:[\"'](\d\d\.\d+)[\"'])?", source)]
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call):
+            func = node.func
+            name = func.id if isinstance(func, ast.Name) else func.attr if isinstance(func, ast.Attribute) else None
+            if name == "solution":
+                arg = node.args[0] if node.args else None
+                found.append(arg.value if isinstance(arg, ast.Constant) and isinstance(arg.value, str) else "?")
+    return found
+
+
+def _answer_name(source: str, ex_id: str, default: str) -> str:
+    """The name the cell hands to check(ex_id, NAME), else the exercise's own answer name."""
+    match = re.search(r"""check\(\s*["']%s["']\s*,\s*([A-Za-z_]\w*)\s*\)""" % re.escape(ex_id), source)
+    return match.group(1) if match else default
+
+
+def _distinctive(ex) -> str | None:
+    """The reference solution, when it is long enough that finding it verbatim in a cell is no coincidence."""
+    new = [line for line in ex.solution.splitlines() if line.strip() and line not in ex.blank.splitlines()]
+    return ex.solution.strip() if len(new) >= 3 else None
+
+
+def _fingerprint(root, limit: int = 20000) -> dict:
+    """{relative path: (size, mtime_ns)} of up to `limit` entries under root (for a before/after comparison).
+
+    The grader's own stdout and stderr are left out: `grade ... > log.txt` changes log.txt."""
+    own = set()
+    for fd in (1, 2):
+        try:
+            st = os.fstat(fd)
+            own.add((st.st_dev, st.st_ino))
+        except OSError:
+            pass
+    found = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = [d for d in dirnames if d not in (".git", ".venv", "__pycache__", "node_modules")
+                       and not d.startswith("course-grade-")]  # the grader's own temporary folders
+        for name in [*filenames, *dirnames]:
+            path = os.path.join(dirpath, name)
+            try:
+                st = os.lstat(path)
+            except OSError:
+                continue
+            if (st.st_dev, st.st_ino) in own:
+                continue
+            found[os.path.relpath(path, root)] = (st.st_size, st.st_mtime_ns)
+            if len(found) >= limit:
+                return found
+    return found
+
+
+def _changes(before: dict, after: dict) -> list[str]:
+    gone = sorted(set(before) - set(after))
+    new = sorted(set(after) - set(before))
+    edited = sorted(k for k in set(before) & set(after) if before[k] != after[k])
+    out = [f"deleted {p}" for p in gone] + [f"created {p}" for p in new] + [f"modified {p}" for p in edited]
+    return out[:5] + ([f"and {len(out) - 5} more"] if len(out) > 5 else [])
+
+
+def _kernel_env(work: str, limits: Limits) -> dict:
+    env = {k: v for k, v in os.environ.items()
+           if k in ("PATH", "LANG", "LANGUAGE", "PYTHONPATH", "LD_LIBRARY_PATH", "SYSTEMROOT", "TZ")
+           or k.startswith(("LC_", "COURSE_")) or (limits.gpu and k.startswith(("CUDA_", "NVIDIA_")))}
+    env.update(HOME=work, TMPDIR=os.path.join(work, "tmp"), XDG_CACHE_HOME=os.path.join(work, ".cache"),
+               XDG_CONFIG_HOME=os.path.join(work, ".config"), MPLCONFIGDIR=os.path.join(work, ".matplotlib"),
+               IPYTHONDIR=os.path.join(work, ".ipython"), JUPYTER_CONFIG_DIR=os.path.join(work, ".jupyter"),
+               JUPYTER_RUNTIME_DIR=os.path.join(work, ".jupyter-runtime"), TORCH_HOME=os.path.join(work, ".torch"),
+               PYTHONDONTWRITEBYTECODE="1", MALLOC_ARENA_MAX="2", PYDEVD_DISABLE_FILE_VALIDATION="1",
+               PYTHONUNBUFFERED="1")
+    if not limits.gpu:
+        env.update(CUDA_VISIBLE_DEVICES="", COURSE_DEVICE="cpu")
+    return env
+
+
+def _message_size(msg: dict) -> int:
+    """Roughly the bytes a kernel message carries (text, rich data, widget state, binary buffers, tracebacks)."""
+    content = msg.get("content", {})
+    size = len(str(content.get("text", ""))) + sum(len(str(v)) for v in (content.get("data") or {}).values())
+    size += sum(len(b) for b in msg.get("buffers", []) or [] if hasattr(b, "__len__"))
+    return size + sum(len(str(line)) for line in content.get("traceback", []) or []) + len(str(content.get("evalue", "")))
+
+
+def _exit_reason(code, limits: Limits) -> str:
+    if code is None:
+        return "the kernel stopped responding"
+    sig = code - 128 if code > 128 else (-code if code < 0 else 0)
+    if sig == getattr(signal, "SIGXCPU", -1):
+        return f"it used more than {limits.cpu} s of CPU time (RLIMIT_CPU), so the OS stopped its kernel"
+    if sig == signal.SIGKILL:
+        return "its kernel was killed (SIGKILL): the system ran out of memory, or the notebook killed it"
+    if sig:
+        try:
+            return f"its kernel died from signal {signal.Signals(sig).name}"
+        except ValueError:
+            return f"its kernel died from signal {sig}"
+    return (f"its kernel exited (status {code}): the notebook's code ended its own process "
+            "(os._exit, exit(), a kill of its own process)")
+
+
+class _Grading:
+    """Grade one notebook. Call run(); the result is self.result (a NotebookRun)."""
+
+    def __init__(self, learner: str, path, name: str, registry: dict, limits: Limits, sandbox: Sandbox):
+        self.result = NotebookRun(learner, path, name)
+        self.registry, self.limits, self.sandbox = registry, limits, sandbox
+
+    # --- the notebook, with the grader's cells added -----------------------------------------------------------
+
+    def _prepare(self):
+        size = os.path.getsize(self.result.path)
+        if size > _MAX_NOTEBOOK:
+            raise ValueError(f"{format_size(size)}, more than the {format_size(_MAX_NOTEBOOK)} a notebook may have")
+        nb = nbformat.read(self.result.path, as_version=4)
+        code_cells = [i for i, c in enumerate(nb.cells) if c.cell_type == "code"]
+        ex_cells: dict[int, list[str]] = {}
+        for i, ex_id in exercise_cells(nb):
+            if ex_id not in self.registry:
+                self.result.notes.append(f"cell {i + 1} checks exercise {ex_id}, which the course does not have")
+            elif ex_id not in [e for ids in ex_cells.values() for e in ids]:
+                ex_cells.setdefault(i, []).append(ex_id)
+        self.exercises = [e for ids in ex_cells.values() for e in ids]
+        self.flags: dict[str, list[str]] = {e: [] for e in self.exercises}
+        for i in code_cells:
+            source = nb.cells[i].source
+            for called in _solution_calls(source):
+                key = called if called in self.flags else None
+                text = (f"calls solution({called!r}) in cell {i + 1}" if called != "?"
+                        else f"calls solution(...) in cell {i + 1}")
+                if key:
+                    self.flags[key].append(text)
+                elif text not in self.result.notes:
+                    self.result.notes.append(text)
+        for i, ids in ex_cells.items():
+            for ex_id in ids:
+                text = _distinctive(self.registry[ex_id])
+                if text and text in nb.cells[i].source:
+                    self.flags[ex_id].append("the cell contains the reference solution verbatim")
+        self.private = f"course_utils._grader_{secrets.token_hex(8)}"
+        run = nbformat.v4.new_notebook(metadata=nb.metadata)
+        token = secrets.token_hex(16)
+        setup = {"private": self.private, "exercises_dir": EXERCISES_DIR, "course_dir": COURSE_DIR,
+                 "workdir": self.work, "token": token, "grader_pid": os.getpid(),
+                 "solutions": {k: ex.solution.strip() for k, ex in self.registry.items() if ex.solution.strip()}}
+        run.cells.append(self._grader_cell(kernel.SETUP % {"args": json.dumps(setup)}, kind="setup", token=token))
+        for i, cell in enumerate(nb.cells):
+            if cell.cell_type != "code":
+                continue
+            cell = nbformat.v4.new_code_cell(cell.source)  # the learner's code, without its saved outputs/tags
+            cell.metadata["grader"] = {"kind": "learner", "index": i}
+            run.cells.append(cell)
+            for ex_id in ex_cells.get(i, []):
+                token = secrets.token_hex(16)
+                source = kernel.EVAL % {"private": self.private, "id": ex_id,
+                                        "answer": _answer_name(nb.cells[i].source, ex_id,
+                                                               self.registry[ex_id].answer), "token": token}
+                run.cells.append(self._grader_cell(source, kind="eval", token=token, id=ex_id, index=i))
+        self.total_cells = len(nb.cells)
+        return run
+
+    @staticmethod
+    def _grader_cell(source: str, **meta):
+        cell = nbformat.v4.new_code_cell(source)
+        cell.metadata["grader"] = meta
+        return cell
+
+    # --- running ---------------------------------------------------------------------------------------------
+
+    def run(self) -> NotebookRun:
+        start = time.monotonic()
+        # Unix socket paths are limited to about 100 bytes: keep the folder's path short.
+        short = os.name == "posix" and len(tempfile.gettempdir()) > 40 and os.path.isdir("/tmp")
+        base = tempfile.mkdtemp(prefix="course-grade-", dir="/tmp" if short else None)
+        self.ipc, self.work = os.path.join(base, "ipc"), os.path.join(base, "work")
+        os.makedirs(self.ipc)
+        os.makedirs(self.work)
+        try:
+            try:
+                run_nb = self._prepare()
+            except Exception as exc:
+                self.result.status, self.result.detail = "unreadable", f"not a readable notebook: {exc}"
+                self.exercises = []
+                return self.result
+            if not self.exercises:
+                self.result.status, self.result.detail = "no exercises", "checks no exercise of the course; not run"
+                return self.result
+            self._execute(run_nb)
+        finally:
+            self.result.seconds = time.monotonic() - start
+            shutil.rmtree(base, ignore_errors=True)
+        return self.result
+
+    def _execute(self, run_nb) -> None:
+        grading = self
+        limits = self.limits
+
+        class KernelManager(AsyncKernelManager):
+            def format_kernel_cmd(self, extra_arguments=None):
+                return grading._kernel_cmd(list(extra_arguments or []))
+
+        class Client(NotebookClient):
+            def process_message(self, msg, cell, cell_index):
+                grading.output_bytes += _message_size(msg)  # every message counts: output, widgets, errors
+                if grading.output_bytes > limits.output:
+                    if not grading.over_cap:
+                        grading.over_cap = True
+                        grading._kill()
+                    if msg["msg_type"] == "status" and msg["content"].get("execution_state") == "idle":
+                        return super().process_message(msg, cell, cell_index)
+                    return None
+                return super().process_message(msg, cell, cell_index)
+
+            def output(self, outs, msg, display_id, cell_index):
+                if msg["msg_type"] == "stream" and "Reference solution for " in msg["content"].get("text", ""):
+                    for ex_id in re.findall(r"Reference solution for (\d\d\.\d+)", msg["content"]["text"]):
+                        grading.printed_solutions.add(ex_id)
+                if self.nb.cells[cell_index].metadata["grader"]["kind"] == "learner":
+                    return None  # learner output is not kept (or trusted)
+                return super().output(outs, msg, display_id, cell_index)
+
+        self.output_bytes, self.over_cap, self.printed_solutions = 0, False, set()
+        self.spent, self.process = 0.0, None
+
+        def timeout_for(cell):
+            meta = cell.metadata["grader"]
+            if meta["kind"] == "learner":
+                return max(1, int(limits.timeout - self.spent + 0.999))
+            if meta["kind"] == "eval":
+                return int(self.registry[meta["id"]].timeout) + 30
+            return 180
+
+        def on_executed(cell, cell_index, execute_reply):
+            content = (execute_reply or {}).get("content", {})
+            if content.get("status") == "error" and cell.metadata["grader"]["kind"] == "learner":
+                where = cell.metadata["grader"]["index"] + 1
+                evalue = str(content.get("evalue", ""))[:200]
+                text = f"cell {where} raised {content.get('ename')}" + (f": {evalue}" if evalue else "")
+                if content.get("ename") == "MemoryError" and limits.memory:
+                    text += f" (the memory limit is {format_size(limits.memory)} of address space)"
+                if len(self.errors) < 5:
+                    self.errors.append(text)
+                elif len(self.errors) == 5:
+                    self.errors.append("and more cells raised errors")
+
+        self.errors: list[str] = []
+        client = Client(run_nb, kernel_name="python3", kernel_manager_class=KernelManager, allow_errors=True,
+                        timeout_func=timeout_for, startup_timeout=120, shutdown_kernel="immediate",
+                        iopub_timeout=5, raise_on_iopub_timeout=False, record_timing=False, store_widget_state=False,
+                        skip_cells_with_tag="grader-never-skips-" + self.private, on_cell_executed=on_executed)
+        km = client.create_kernel_manager()
+        if os.name == "posix":
+            km.transport, km.ip = "ipc", os.path.join(self.ipc, "k")
+        km.connection_file = os.path.join(self.ipc, "kernel.json")
+        lock = self._lock()
+        stopped_in = None
+        try:
+            os.makedirs(os.path.join(self.work, "tmp"), exist_ok=True)
+            with client.setup_kernel(cwd=self.work, env=_kernel_env(self.work, limits)):
+                self.process = getattr(km.provisioner, "process", None)
+                self._read_sandbox_status()
+                try:
+                    for index, cell in enumerate(run_nb.cells):
+                        meta = cell.metadata["grader"]
+                        stopped_in = meta
+                        if meta["kind"] == "learner" and self.spent >= limits.timeout:
+                            raise CellTimeoutError("the notebook's time is used up")
+                        began = time.monotonic()
+                        client.execute_cell(cell, index, store_history=meta["kind"] == "learner")
+                        if meta["kind"] == "learner":
+                            self.spent += time.monotonic() - began
+                        else:
+                            self._collect(cell, meta)
+                    stopped_in = None
+                finally:
+                    self._kill()  # the kernel and whatever it started, before the pid can be reused
+        except CellTimeoutError:
+            self._stopped(stopped_in, "time limit", self._timeout_text(stopped_in))
+        except DeadKernelError:
+            if self.over_cap:
+                self._stopped(stopped_in, "output cap", f"it printed more than {format_size(limits.output)} of "
+                                                        "output, so the grader stopped its kernel")
+            else:
+                self._stopped(stopped_in, "kernel died", _exit_reason(self._exit_code(), limits))
+        except _SetupFailed as exc:
+            self._stopped(None, "could not run", str(exc))
+        except Exception as exc:  # the kernel could not start, or the connection broke
+            if self.over_cap:
+                self._stopped(stopped_in, "output cap", f"it printed more than {format_size(limits.output)} of "
+                                                        "output, so the grader stopped its kernel")
+            else:
+                log = self._log_tail()
+                self._stopped(stopped_in, "could not run",
+                              f"the grader could not run it: {type(exc).__name__}: {exc}" + (f" ({log})" if log else ""))
+        finally:
+            os.close(lock)
+        self.result.notes[:0] = self.errors
+        for ex_id in self.exercises:
+            if ex_id not in self.result.outcomes:
+                self.result.outcomes[ex_id] = Outcome(NOT_RUN, f"not checked: {self.result.detail}",
+                                                      self.result.name)
+            outcome = self.result.outcomes[ex_id]
+            if any(f.startswith(f"calls solution({ex_id!r})") for f in self.flags[ex_id]):
+                outcome.flags = [f for f in outcome.flags if f != f"called solution({ex_id!r})"]
+            outcome.flags = list(dict.fromkeys(self.flags[ex_id] + outcome.flags + (
+                [f"printed the reference solution of {ex_id} (solution())"] if ex_id in self.printed_solutions
+                else [])))
+
+    def _kernel_cmd(self, extra: list[str]) -> list[str]:
+        # Output written straight to the process's stdout/stderr (os.write, C extensions, subprocesses) goes to a
+        # log file capped by RLIMIT_FSIZE instead of being forwarded to the grader.
+        cmd = [sys.executable, "-m", "ipykernel_launcher", "-f", os.path.join(self.ipc, "kernel.json"),
+               "--IPKernelApp.capture_fd_output=False", *extra]
+        if os.name != "posix":
+            return cmd
+        rlimits = {"FSIZE": self.limits.file_size, "CPU": self.limits.cpu, "CORE": 0}
+        if self.limits.memory:
+            rlimits["AS"] = self.limits.memory
+        config = {"work": self.work, "ipc": self.ipc, "lock": os.path.join(self.ipc, "grader.lock"),
+                  "log": os.path.join(self.ipc, "kernel.log"), "status": os.path.join(self.ipc, "sandbox.json"),
+                  "protect_fs": self.sandbox.mounts, "disk": self.limits.disk, "rlimits": rlimits,
+                  "env": _kernel_env(self.work, self.limits)}
+        config_path = os.path.join(self.ipc, "sandbox-config.json")
+        with open(config_path, "w") as f:
+            json.dump(config, f)
+        return self.sandbox.command(config_path, cmd)
+
+    def _lock(self) -> int:
+        fd = os.open(os.path.join(self.ipc, "grader.lock"), os.O_RDWR | os.O_CREAT, 0o644)
+        if os.name == "posix":
+            import fcntl
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        return fd
+
+    def _kill(self) -> None:
+        """Stop the kernel and everything in its process group, now."""
+        process = self.process
+        if process is None:
+            return
+        try:
+            if os.name == "posix":
+                os.killpg(process.pid, signal.SIGKILL)
+            else:
+                process.kill()
+        except (ProcessLookupError, PermissionError, OSError):
+            pass
+
+    def _exit_code(self):
+        if self.process is None:
+            return None
+        try:
+            return self.process.wait(timeout=5)
+        except Exception:
+            return None
+
+    def _read_sandbox_status(self) -> None:
+        try:
+            with open(os.path.join(self.ipc, "sandbox.json")) as f:
+                self.result.sandbox = json.load(f)
+        except (OSError, ValueError):
+            self.result.sandbox = {}
+
+    def _log_tail(self) -> str:
+        try:
+            with open(os.path.join(self.ipc, "kernel.log"), errors="replace") as f:
+                lines = [line.strip() for line in f.read()[-2000:].splitlines() if line.strip()]
+            return " / ".join(lines[-3:])
+        except OSError:
+            return ""
+
+    def _timeout_text(self, meta) -> str:
+        if meta and meta["kind"] == "eval":
+            return (f"checking exercise {meta['id']} did not finish (the answer's code kept running after the "
+                    "check's own time limit), so the grader stopped the kernel")
+        return f"it ran longer than the time limit of {self.limits.timeout:g} s, so the grader stopped its kernel"
+
+    def _stopped(self, meta, status: str, reason: str) -> None:
+        where = ""
+        if meta and meta["kind"] in ("learner", "eval"):
+            where = f" in cell {meta['index'] + 1} of {self.total_cells}"
+        elif meta and meta["kind"] == "setup":
+            where = " while the grader was setting up its kernel"
+        self.result.status, self.result.detail = status, f"{reason}{where}"
+        if meta and meta["kind"] == "eval":
+            self.result.outcomes[meta["id"]] = Outcome(INCORRECT, f"the check of this answer was stopped: {reason}",
+                                                       self.result.name)
+
+    def _collect(self, cell, meta) -> None:
+        """Read the grader's framed result from its own cell's output (and nothing else)."""
+        token = meta["token"]
+        payload = None
+        for out in cell.get("outputs", []):
+            if out.get("output_type") == "stream" and out.get("name") == "stdout":
+                for line in out.get("text", "").splitlines():
+                    if line.startswith(token + " "):
+                        try:
+                            data = json.loads(line[len(token) + 1:])
+                        except ValueError:
+                            continue
+                        if data.get("token") == token:
+                            payload = data
+            elif out.get("output_type") == "error" and meta["kind"] == "setup":
+                hint = ""
+                if self.limits.memory and out.get("ename") in ("ImportError", "MemoryError", "OSError"):
+                    hint = (f"; is the memory limit ({format_size(self.limits.memory)} of address space) too small? "
+                            "Importing torch alone needs about 3.5 GiB: raise --memory")
+                raise _SetupFailed(f"the grader's own setup failed in the kernel: {out.get('ename')}: "
+                                   f"{out.get('evalue')}{hint}")
+        if meta["kind"] == "setup":
+            if not payload:
+                raise _SetupFailed("the grader's setup cell gave no answer")
+            return
+        ex_id = meta["id"]
+        if payload is None or payload.get("id") != ex_id or payload.get("status") not in RANK:
+            self.result.outcomes[ex_id] = Outcome(
+                NOT_RUN, "the grader's check gave no result: the notebook's code interfered with the grader "
+                         "(its own private checker or its output)", self.result.name,
+                ["interfered with the grader's check"])
+            return
+        self.result.outcomes[ex_id] = Outcome(payload["status"], payload["message"], self.result.name,
+                                              payload.get("flags", []))
+        for text in payload.get("tamper", []):
+            if text not in self.result.notes:
+                self.result.notes.append(text)
+
+
+def grade(submissions, limits: Limits | None = None, jobs: int = 1, progress=None) -> ClassReport:
+    """Grade every learner's notebooks under `submissions`; return the ClassReport."""
+    limits = limits or Limits()
+    root = Path(submissions)
+    learners = find_submissions(root)
+    registry = dict(exercises.load_all())
+    sandbox = Sandbox.probe()
+    # The submissions folder, and the grader's working directory unless it is a folder every program writes to.
+    shared = {os.path.realpath(tempfile.gettempdir()), os.path.realpath(os.path.expanduser("~")), "/"}
+    guarded = {str(root.resolve()): None}
+    if os.path.realpath(os.getcwd()) not in shared:
+        guarded[os.getcwd()] = None
+    for key in guarded:
+        guarded[key] = _fingerprint(key)
+    tasks = [(learner, path) for learner, paths in learners.items() for path in paths]
+
+    active: set[_Grading] = set()
+
+    def one(task):
+        learner, path = task
+        name = str(path.relative_to(root / learner)) if path.parent != root else path.name
+        grading = _Grading(learner, path, name, registry, limits, sandbox)
+        active.add(grading)
+        try:
+            result = grading.run()
+        finally:
+            active.discard(grading)
+        for key, before in guarded.items():
+            after = _fingerprint(key)
+            changes = _changes(before, after)
+            if changes:
+                guarded[key] = after
+                also = ", or by a notebook running at the same time" if jobs > 1 else ""
+                result.alerts.append(f"files in {key} changed while it ran (by this notebook{also}, or by another "
+                                     f"program): {', '.join(changes)}")
+        if progress:
+            progress(result)
+        return result
+
+    runs: dict[str, list[NotebookRun]] = {learner: [] for learner in learners}
+    pool = ThreadPoolExecutor(max_workers=max(1, jobs))
+    try:
+        for result in pool.map(one, tasks):
+            runs[result.learner].append(result)
+    except BaseException:  # Ctrl-C: stop every kernel now rather than after its notebook
+        pool.shutdown(wait=False, cancel_futures=True)
+        for grading in list(active):
+            grading._kill()
+        raise
+    pool.shutdown()
+    report = ClassReport(root, learners, runs, registry, limits, sandbox)
+    report.guarded = list(guarded)
+    return report
