@@ -16,10 +16,13 @@ entry per unit a learner reads:
 
 Everything else in a code cell stays as it is, so the Chinese notebook runs the same code. Each entry stores the
 SHA-1 of the English text it translates (`#. source-sha1: ...`). `update` keeps translations whose English text is
-unchanged; a markdown cell whose text changed keeps its old translation marked fuzzy (stale), with the previous
-English beside it (`#| msgid`), as `msgmerge` does; units that left the notebook are dropped. `check` reports
-missing, stale and malformed translations and glossary mismatches (`notebooks/locale/glossary.zh-CN.csv`), naming
-the notebook and cell.
+unchanged; a unit whose text changed (a markdown cell, or the closest old comment or string of its cell) keeps its
+old translation marked fuzzy, with the previous English beside it (`#| msgid`), as `msgmerge` does; units that left
+the notebook are dropped. An entry is stale while it is fuzzy *or* still carries a previous msgid: a reviewer
+compares the two, revises, and deletes both the flag and the `#|` lines. `check` reports missing, stale and
+malformed translations and glossary problems (`notebooks/locale/glossary.zh-CN.csv`: a term whose rendering is
+missing, or a refused rendering used), naming the notebook and cell; `build` refuses to build while `check` finds
+any problem in either kind of catalog.
 
 The built notebooks call `course_utils.set_language("zh-CN")` in their first code cell, so `course_utils`' own
 messages (feedback, diagnoses, warnings, monitor labels) come from its catalogs (`course_utils/i18n.py`):
@@ -44,9 +47,9 @@ from pathlib import Path
 
 import course_utils
 
-__all__ = ["LANGUAGE", "Problem", "Unit", "build_notebook", "catalog_path", "check", "check_messages", "code_units",
+__all__ = ["LANGUAGE", "Problem", "Term", "Unit", "build_notebook", "catalog_path", "check", "check_messages", "code_units",
            "execute_notebook", "glossary", "join_cjk_lines", "solved_notebook", "with_language_line",
-           "load_catalog", "load_glossary", "main", "notebook_units", "translate_notebook", "update_catalog",
+           "load_catalog", "load_glossary", "main", "notebook_units", "prose", "translate_notebook", "update_catalog",
            "update_messages"]
 
 LANGUAGE = "zh-CN"
@@ -122,9 +125,20 @@ def code_units(cell_id: str, source: str) -> list[Unit]:
         return units
     lines = source.splitlines()
     before: list[str] = ["", ""]  # the two code tokens before the current one
+    brackets: list[tuple[str, bool]] = []  # open brackets: (the bracket, whether it is an API position)
     label = fstring_label = False
+    code = [t for t in tokens if t.type not in (tokenize.COMMENT, tokenize.NL)]
+    following = {id(a): b.string for a, b in zip(code, code[1:])}
     for tok in tokens:
         name = tokenize.tok_name[tok.type]
+        word_shown = tok.type == tokenize.STRING and _shown_word(tok.string, before, following.get(id(tok), ""),
+                                                                  brackets)
+        if fstring_start is None and tok.type == tokenize.OP and tok.string in "([{":
+            called = tok.string == "(" and re.match(r"[A-Za-z_]\w*$", before[-1]) and before[-1] != "print"
+            indexed = tok.string == "[" and (re.match(r"[A-Za-z_]\w*$", before[-1]) or before[-1] in ")]")
+            brackets.append((tok.string, bool(called or indexed)))
+        elif fstring_start is None and tok.type == tokenize.OP and tok.string in ")]}" and brackets:
+            brackets.pop()
         if tok.type in (tokenize.STRING, tokenize.COMMENT) or name == "FSTRING_START":
             label = (before[-1] == "(" and before[-2] in PLOT_TEXT_CALLS) or \
                     (before[-1] == "=" and before[-2] in PLOT_TEXT_KEYWORDS)
@@ -149,12 +163,30 @@ def code_units(cell_id: str, source: str) -> list[Unit]:
             start, end, text = at(tok.start), at(tok.end), tok.string
         else:
             continue
-        if tok.type != tokenize.COMMENT and not _PROSE.search(_string_body(text)) and \
+        if tok.type != tokenize.COMMENT and not _PROSE.search(_string_body(text)) and not word_shown and \
                 not (label and re.search(r"[A-Za-z]{2,}", _string_body(text))):
             continue
         units.append(Unit(cell_id, "comment" if text.startswith("#") else "string", text, start, end,
                           lines[tok.start[0] - 1].strip() if tok.start[0] <= len(lines) else ""))
     return units
+
+
+# Single words that are values an API takes, not text: device types, start methods, backends, modes.
+API_WORDS = frozenset("""cpu cuda mps meta xpu hpu fork spawn forkserver gloo nccl mpi eager inductor aot_eager
+mean sum none high highest medium max min train eval fp16 bf16 float half double int long bool nan inf
+linear relu gelu silu tanh sigmoid weight bias torch nvidia triton bin backends lib ptxas nvcc nvrtc aux""".split())
+
+
+def _shown_word(literal: str, before: list[str], after: str, brackets: list[tuple[str, bool]]) -> bool:
+    """A single-word string literal in a position where it is shown rather than used: a value a function returns
+    or a variable holds, a dict key or list item, a branch of a conditional expression, an argument of print.
+    Not a keyword argument, an index, an argument of another call, an operand of a comparison, or an API word."""
+    body = _string_body(literal)
+    if not re.fullmatch(r"[A-Za-z][a-z]+", body) or body.lower() in API_WORDS or re.match(r"^[A-Za-z]*[bBrR]", literal):
+        return False
+    if before[-1] in ("=", "==", "!=", "in", "is", "not", "+=") or after in ("==", "!=", "in", "not", "is", "="):
+        return before[-1] == "=" and not brackets and after in ("", "\n")  # `name = "word"` on its own line
+    return not (brackets and brackets[-1][1])
 
 
 def _string_body(literal: str) -> str:
@@ -229,16 +261,28 @@ def update_catalog(notebook: Path) -> tuple[int, int, int]:
             by_cell.setdefault(e.msgctxt, e)
     po = _new_catalog(notebook)
     po.metadata = old.metadata or po.metadata
+    units = notebook_units(nb)
+    keys = {(u.cell_id, u.text) for u in units}
+    orphans: dict[str, list] = {}  # per cell, the code entries whose English is no longer there
+    for e in old:
+        if not e.obsolete and "kind: markdown" not in e.comment and (e.msgctxt, e.msgid) not in keys and e.msgstr:
+            orphans.setdefault(e.msgctxt, []).append(e)
     new = stale = 0
     used = set()
-    for unit in notebook_units(nb):
+    for unit in units:
         key = (unit.cell_id, unit.text)
         if key in used:
             continue
         used.add(key)
         entry = by_key.get(key)
-        if entry is None and unit.kind == "markdown" and unit.cell_id in by_cell:
-            prev = by_cell[unit.cell_id]
+        prev = None
+        if entry is None and unit.kind == "markdown":
+            prev = by_cell.get(unit.cell_id)
+        elif entry is None:  # a changed comment or string: the closest old one of its cell, if any is close
+            prev = _closest(unit.text, [e for e in orphans.get(unit.cell_id, []) if f"kind: {unit.kind}" in e.comment])
+            if prev is not None:
+                orphans[unit.cell_id].remove(prev)
+        if prev is not None:
             entry = polib.POEntry(msgctxt=unit.cell_id, msgid=unit.text, msgstr=prev.msgstr,
                                   previous_msgid=prev.previous_msgid or prev.msgid, flags=["fuzzy"])
             stale += 1
@@ -252,6 +296,18 @@ def update_catalog(notebook: Path) -> tuple[int, int, int]:
     path.parent.mkdir(parents=True, exist_ok=True)
     po.save(str(path))
     return new, stale, dropped
+
+
+def _closest(text: str, entries: list, cutoff: float = 0.5):
+    """The entry whose English is most like `text` (difflib's ratio, at least `cutoff`), or None."""
+    import difflib
+
+    best, score = None, cutoff
+    for e in entries:
+        ratio = difflib.SequenceMatcher(None, text, e.msgid).ratio()
+        if ratio >= score:
+            best, score = e, ratio
+    return best
 
 
 def load_catalog(notebook: Path):
@@ -269,25 +325,59 @@ def glossary_path() -> Path:
     return NOTEBOOKS / "locale" / f"glossary.{LANGUAGE}.csv"
 
 
-def load_glossary(path: Path | None = None) -> list[tuple[re.Pattern, list[str], str]]:
-    """(English pattern, accepted Chinese renderings, the English term) for every glossary row."""
+@dataclass(frozen=True)
+class Term:
+    """One glossary row: the English term, its accepted renderings (the first is the one to write) and the
+    renderings that are refused wherever they appear (regular expressions), in any catalog."""
+    english: str
+    pattern: re.Pattern
+    chinese: tuple[str, ...]
+    forbidden: tuple[re.Pattern, ...]
+
+
+def load_glossary(path: Path | None = None) -> list[Term]:
+    """Every glossary row. `chinese` lists the accepted renderings; the English term itself is accepted only
+    where the row lists it (a name kept in English, such as all-reduce), never as a fallback."""
     rows = []
     with open(path or glossary_path(), encoding="utf-8", newline="") as f:
         for row in csv.DictReader(f):
             english = row["english"].strip()
-            pattern = re.compile(r"(?<![\w-])" + re.escape(english).replace(r"\ ", r"[\s-]+") + r"s?(?![\w-])",
-                                 re.IGNORECASE)
-            rows.append((pattern, [z.strip() for z in row["chinese"].split("|")], english))
+            # as written, or capitalised where a sentence, heading or item starts; a capitalised word inside a
+            # sentence ("the Parameter objects") is a class's name
+            body = re.escape(english[1:]).replace(r"\ ", r"[\s-]+") + r"s?(?![\w-])"
+            pattern = re.compile(rf"(?<![\w-]){re.escape(english[0])}{body}" + ("" if english[0].isupper() else
+                                 rf"|(?:^|(?<=[.!?:#*>\n-] )|(?<=[.!?:#*>\n-])){re.escape(english[0].upper())}{body}"))
+            forbidden = tuple(re.compile(z.strip()) for z in (row.get("forbidden") or "").split("|") if z.strip())
+            rows.append(Term(english, pattern, tuple(z.strip() for z in row["chinese"].split("|")), forbidden))
     return rows
 
 
+_NOT_PROSE = re.compile(r"`[^`]*`|\$[^$]*\$|https?://\S+|\]\([^)]*\)|\([^)]*\.(ipynb|md|py)[^)]*\)|\{[^{}]*\}|"
+                        r"\b\w+(\.\w+)*\([^()]*\)|\((\s*\w+\s*,)+\s*\w+\s*\)|\b\w+=\S+|\"[^\"\n]*\"|\*[A-Z][^*\n]{20,}\*|\b\w+(\.\w+)+\b|\b\w*_\w*\b")
+
+
+def prose(text: str) -> str:
+    """`text` without what is code or quoted, not prose: inline code, formulas, links' targets, {fields}, calls
+    with their arguments, tuples of names, keyword arguments, dotted and snake_case names, double-quoted text, and
+    titles in italics (`*A first order approximation ...*`)."""
+    return _NOT_PROSE.sub(" ", text)
+
+
 def glossary(msgid: str, msgstr: str, rows=None) -> list[str]:
-    """The glossary terms `msgid` uses whose Chinese rendering `msgstr` lacks."""
+    """What breaks the glossary: a term `msgid` uses whose accepted rendering `msgstr` lacks, and every refused
+    rendering `msgstr` contains (as "term: refused 'X', write 'Y'"). A text kept exactly as the English (a quoted
+    PyTorch message) breaks nothing here; the test of the built notebooks' outputs catches English left in prose."""
     rows = load_glossary() if rows is None else rows
-    english = re.sub(r"`[^`]*`|\$[^$]*\$|https?://\S+|\([^)]*\.(ipynb|md|py)[^)]*\)", " ", msgid)
-    return [term for pattern, chinese, term in rows
-            if pattern.search(english) and not any(z in msgstr for z in chinese) and
-            not pattern.search(msgstr)]  # the English term kept beside the Chinese counts (e.g. a code name)
+    english, chinese = prose(msgid), prose(msgstr)
+    kept = msgstr == msgid  # a text deliberately left as it is (PyTorch's own message, quoted): nothing to render
+    problems = [t.english for t in rows
+                if not kept and t.pattern.search(english) and not any(z in msgstr for z in t.chinese)]
+    for t in [] if kept else rows:
+        for refused in t.forbidden:
+            found = refused.search(chinese)
+            if found:
+                problems.append(f"{t.english}: refused {found.group(0)!r}, write {t.chinese[0]!r}")
+    return problems
 
 
 # --- checking --------------------------------------------------------------------------------------------------
@@ -351,6 +441,10 @@ def check(notebooks: list[Path] | None = None, *, with_glossary: bool = True) ->
                 problems.append(Problem(name, unit.cell_id, "stale", f"{unit.kind} {first!r}: the English text "
                                                                      "changed since it was translated"))
                 continue
+            if e.previous_msgid:
+                problems.append(Problem(name, unit.cell_id, "stale", f"{unit.kind} {first!r} still carries the "
+                                        "previous English (#| msgid): compare, revise, then delete those lines"))
+                continue
             if not e.msgstr.strip():
                 problems.append(Problem(name, unit.cell_id, "missing", f"{unit.kind} {first!r} has no translation"))
                 continue
@@ -358,9 +452,9 @@ def check(notebooks: list[Path] | None = None, *, with_glossary: bool = True) ->
             if why:
                 problems.append(Problem(name, unit.cell_id, "malformed", f"{unit.kind} {first!r}: {why}"))
             for term in glossary(unit.text, e.msgstr, rows):
-                problems.append(Problem(name, unit.cell_id, "glossary", f"{unit.kind} {first!r} uses {term!r} "
-                                                                        "but the translation lacks its "
-                                                                        "glossary rendering"))
+                problems.append(Problem(name, unit.cell_id, "glossary", f"{unit.kind} {first!r}: {term}"
+                                        if ": refused" in term else f"{unit.kind} {first!r} uses {term!r} but the "
+                                                                    "translation lacks its glossary rendering"))
     return problems
 
 
@@ -421,8 +515,18 @@ def update_messages(modules: list[Path] | None = None) -> list[str]:
         po = _new_catalog(module)
         po.metadata["Project-Id-Version"] = f"course_utils: {module.relative_to(PACKAGE.parent)}"
         new = 0
+        current = {m for _, m in messages}
+        orphans = [e for m, e in old.items() if m not in current and e.msgstr]
         for lineno, message in messages:
-            entry = old.get(message) or polib.POEntry(msgid=message, msgstr="")
+            entry = old.get(message)
+            if entry is None:  # a changed message keeps the closest old translation, fuzzy, as msgmerge does
+                prev = _closest(message, orphans)
+                if prev is not None:
+                    orphans.remove(prev)
+                    entry = polib.POEntry(msgid=message, msgstr=prev.msgstr, flags=["fuzzy"],
+                                          previous_msgid=prev.previous_msgid or prev.msgid)
+                else:
+                    entry = polib.POEntry(msgid=message, msgstr="")
             new += message not in old
             entry.occurrences = [(str(module.relative_to(PACKAGE.parent)), str(lineno))]
             po.append(entry)
@@ -461,6 +565,9 @@ def check_messages(modules: list[Path] | None = None, *, with_glossary: bool = T
                                                                 "python -m course_tools.translate messages"))
             elif "fuzzy" in e.flags:
                 problems.append(Problem(name, where, "stale", f"{message[:70]!r} is marked fuzzy"))
+            elif e.previous_msgid:
+                problems.append(Problem(name, where, "stale", f"{message[:70]!r} still carries the previous "
+                                        "English (#| msgid): compare, revise, then delete those lines"))
             elif not e.msgstr.strip():
                 problems.append(Problem(name, where, "missing", f"{message[:70]!r} has no translation"))
             elif sorted(_FIELD.findall(message)) != sorted(_FIELD.findall(e.msgstr)):
@@ -468,8 +575,9 @@ def check_messages(modules: list[Path] | None = None, *, with_glossary: bool = T
                                         f"{sorted(_FIELD.findall(message))} vs {sorted(_FIELD.findall(e.msgstr))}"))
             else:
                 for term in glossary(message, e.msgstr, rows):
-                    problems.append(Problem(name, where, "glossary", f"{message[:70]!r} uses {term!r} but the "
-                                                                     "translation lacks its glossary rendering"))
+                    problems.append(Problem(name, where, "glossary", f"{message[:70]!r}: {term}" if ": refused"
+                                            in term else f"{message[:70]!r} uses {term!r} but the translation "
+                                                         "lacks its glossary rendering"))
     return problems
 
 
@@ -536,7 +644,8 @@ def translate_notebook(nb: dict, po, *, strict: bool = True, source_name: str = 
     import copy
 
     table = {(e.msgctxt, e.msgid): e.msgstr for e in po
-             if not e.obsolete and e.msgstr and "fuzzy" not in e.flags} if po is not None else {}
+             if not e.obsolete and e.msgstr and "fuzzy" not in e.flags and not e.previous_msgid} \
+        if po is not None else {}
     out = copy.deepcopy(nb)
     first_code = True
     for cell in out["cells"]:
@@ -633,7 +742,7 @@ def main(argv: list[str] | None = None) -> int:
             print(p)
         print(f"{len(problems)} problem(s)")
         return 1 if problems else 0
-    problems = [p for p in check(notebooks, with_glossary=False) if p.kind != "glossary"]
+    problems = check(notebooks) + check_messages()  # missing, stale, malformed and glossary, in both kinds
     if problems:
         for p in problems:
             print(p)

@@ -121,14 +121,14 @@ class LRScheduler(Callback):
 
     def __init__(self, scheduler, interval: str = "epoch", monitor: str | None = None):
         if interval not in ("epoch", "step"):
-            raise ValueError(f"interval must be 'epoch' or 'step', got {interval!r}")
+            raise ValueError(_("interval must be 'epoch' or 'step', got {interval!r}").format(interval=interval))
         if not callable(getattr(scheduler, "step", None)):
-            raise TypeError(f"scheduler must have a step() method, got {type(scheduler).__name__}")
+            raise TypeError(_("scheduler must have a step() method, got {kind}").format(kind=type(scheduler).__name__))
         self.scheduler, self.interval, self.monitor = scheduler, interval, monitor
         self.on_value = isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau) or monitor is not None
         if self.on_value and interval == "step":
-            raise ValueError("a scheduler that steps on a measured value (ReduceLROnPlateau) steps once per epoch: "
-                             "use interval='epoch'")
+            raise ValueError(_("a scheduler that steps on a measured value (ReduceLROnPlateau) steps once per epoch: "
+                               "use interval='epoch'"))
 
     def on_after_optimizer_step(self, trainer) -> None:
         if self.interval == "step":
@@ -155,9 +155,9 @@ class EarlyStopping(Callback):
 
     def __init__(self, monitor: str = "val_loss", patience: int = 3, min_delta: float = 0.0, mode: str = "min"):
         if mode not in ("min", "max"):
-            raise ValueError(f"mode must be 'min' or 'max', got {mode!r}")
+            raise ValueError(_("mode must be 'min' or 'max', got {mode!r}").format(mode=mode))
         if not isinstance(patience, int) or patience < 1:
-            raise ValueError(f"patience must be a positive int, got {patience!r}")
+            raise ValueError(_("patience must be a positive int, got {patience!r}").format(patience=patience))
         self.monitor, self.patience, self.min_delta, self.mode = monitor, patience, min_delta, mode
         self.best = math.inf if mode == "min" else -math.inf
         self.best_epoch: int | None = None
@@ -211,7 +211,8 @@ class Checkpoint(Callback):
     def __init__(self, path, every_n_steps: int | None = None):
         if every_n_steps is not None and (isinstance(every_n_steps, bool) or not isinstance(every_n_steps, int)
                                           or every_n_steps < 1):
-            raise ValueError(f"every_n_steps must be a positive int or None, got {every_n_steps!r}")
+            raise ValueError(_("every_n_steps must be a positive int or None, got {every_n_steps!r}").format(
+                every_n_steps=every_n_steps))
         self.path = Path(path)
         self.every_n_steps = every_n_steps
 

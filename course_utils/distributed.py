@@ -67,8 +67,9 @@ class Process:
         `sync_batchnorm=True` converts BatchNorm layers to SyncBatchNorm first (GPUs only)."""
         if sync_batchnorm:
             if device.type != "cuda":
-                raise ValueError("sync_batchnorm=True needs CUDA GPUs: SyncBatchNorm runs only on GPU modules "
-                                 f"(DistributedDataParallel refuses it on {device.type}); leave it off here")
+                raise ValueError(_("sync_batchnorm=True needs CUDA GPUs: SyncBatchNorm runs only on GPU modules "
+                                   "(DistributedDataParallel refuses it on {device}); leave it off here").format(
+                                       device=device.type))
             model = nn.SyncBatchNorm.convert_sync_batchnorm(model)  # the same parameters, in new modules
         model = model.to(device)  # modules move in place; an optimizer's parameters stay the same objects
         return model, DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)

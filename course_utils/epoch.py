@@ -39,7 +39,7 @@ class EpochPosition:
     def from_dict(cls, d: dict[str, Any]) -> "EpochPosition":
         names = {f.name for f in dataclasses.fields(cls)}
         if not isinstance(d, dict) or set(d) != names:
-            raise ValueError(f"an epoch position has the entries {sorted(names)}")
+            raise ValueError(_("an epoch position has the entries {names}").format(names=sorted(names)))
         return cls(**d)
 
 

@@ -16,6 +16,7 @@ import contextlib
 import torch
 from torch import nn
 
+from .i18n import _
 from .step import forward, pair_on
 
 
@@ -45,5 +46,5 @@ def evaluate(model: nn.Module, loader, loss_fn, device=None, *, precision=None, 
         sums = all_sum(sums)
     total_loss, correct, count = sums.tolist()  # CPU-GPU sync point here
     if count == 0:
-        raise ValueError("the evaluation loader produced no batches")
+        raise ValueError(_("the evaluation loader produced no batches"))
     return {"loss": total_loss / count, "accuracy": correct / count}

@@ -17,11 +17,14 @@ from __future__ import annotations
 import math
 import random
 
+from .i18n import _
+
 
 def _check(step_s, save_s, mtbf_s, restart_s):
     if not (step_s > 0 and save_s >= 0 and mtbf_s > 0 and restart_s >= 0):
-        raise ValueError(f"need step_s > 0, save_s >= 0, mtbf_s > 0, restart_s >= 0; got {step_s}, {save_s}, "
-                         f"{mtbf_s}, {restart_s}")
+        raise ValueError(_("need step_s > 0, save_s >= 0, mtbf_s > 0, restart_s >= 0; got {step_s}, {save_s}, "
+                           "{mtbf_s}, {restart_s}").format(step_s=step_s, save_s=save_s, mtbf_s=mtbf_s,
+                                                           restart_s=restart_s))
 
 
 def _segment_seconds(length_s: float, mtbf_s: float, restart_s: float) -> float:
@@ -36,7 +39,7 @@ def lost_fraction(every: int, step_s: float, save_s: float, mtbf_s: float, resta
     long run (None)."""
     _check(step_s, save_s, mtbf_s, restart_s)
     if isinstance(every, bool) or not isinstance(every, int) or every < 1:
-        raise ValueError(f"every must be a positive int, got {every!r}")
+        raise ValueError(_("every must be a positive int, got {every!r}").format(every=every))
     if work_steps is None:
         return _segment_seconds(every * step_s + save_s, mtbf_s, restart_s) / (every * step_s) - 1
     full, rest = divmod(work_steps, every)
@@ -60,7 +63,7 @@ def simulated_lost_fraction(every: int, step_s: float, save_s: float, mtbf_s: fl
     _check(step_s, save_s, mtbf_s, restart_s)
     rng = random.Random(seed)
     lost = 0.0
-    for _ in range(runs):
+    for _run in range(runs):
         failures = random.Random(rng.getrandbits(64))
         next_failure = failures.expovariate(1 / mtbf_s)
         clock, done = 0.0, 0

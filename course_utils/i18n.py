@@ -35,6 +35,18 @@ CJK_FONTS = ("Noto Sans CJK SC", "Noto Sans SC", "Source Han Sans SC", "WenQuanY
              "Noto Sans CJK JP", "Arial Unicode MS")
 
 
+def _(message: str) -> str:
+    """`message` in the current language (itself when English, or when the catalog has no translation)."""
+    if _language == "en":
+        return message
+    return _catalog(_language).get(message, message)
+
+
+def N_(message: str) -> str:
+    """Mark `message` for the catalog without translating it now (it is translated where it is shown)."""
+    return message
+
+
 def _normalize(language: str | None) -> str:
     if not language:
         return "en"
@@ -43,7 +55,8 @@ def _normalize(language: str | None) -> str:
         return "en"
     if key in ("zh", "zh-cn", "zh-hans", "zh-hans-cn", "zh-sg", "chinese"):
         return "zh-CN"
-    raise ValueError(f"unknown language {language!r}; course_utils speaks {', '.join(LANGUAGES)}")
+    raise ValueError(_("unknown language {language!r}; course_utils speaks {languages}").format(
+        language=language, languages=", ".join(LANGUAGES)))
 
 
 _language = "en"
@@ -91,6 +104,10 @@ def speaking(language: str):
             os.environ[ENV_VAR] = previous_env
 
 
+# English in every language: the catalogs it reports cannot be read to translate it (_() would read them again).
+UNREADABLE_CATALOG = "the translation catalog {path} cannot be read: {exc}"
+
+
 @lru_cache(maxsize=None)
 def _catalog(language: str) -> dict[str, str]:
     """msgid -> msgstr for every translated, non-fuzzy entry of every PO file of `language`."""
@@ -102,22 +119,10 @@ def _catalog(language: str) -> dict[str, str]:
         try:
             po = polib.pofile(str(path))
         except (OSError, ValueError) as exc:
-            raise ValueError(f"the translation catalog {path} cannot be read: {exc}") from None
+            raise ValueError(UNREADABLE_CATALOG.format(path=path, exc=exc)) from None
         for entry in po.translated_entries():
             table.setdefault(entry.msgid, entry.msgstr)
     return table
-
-
-def _(message: str) -> str:
-    """`message` in the current language (itself when English, or when the catalog has no translation)."""
-    if _language == "en":
-        return message
-    return _catalog(_language).get(message, message)
-
-
-def N_(message: str) -> str:
-    """Mark `message` for the catalog without translating it now (it is translated where it is shown)."""
-    return message
 
 
 @lru_cache(maxsize=1)

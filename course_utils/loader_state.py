@@ -117,8 +117,9 @@ class LoaderState:
         # The batches trained on before the interruption: drawn again (same generators, same order), not trained.
         skipped = sum(1 for _ in itertools.islice(it, pending["batches_done"]))
         if skipped < pending["batches_done"]:
-            raise ValueError(f"cannot resume: the checkpoint is {pending['batches_done']} batches into an epoch, "
-                             f"but this loader has only {skipped} batches an epoch")
+            raise ValueError(_("cannot resume: the checkpoint is {done} batches into an epoch, but this loader has "
+                               "only {skipped} batches an epoch").format(done=pending["batches_done"],
+                                                                         skipped=skipped))
         self._pending = None
         return it
 
@@ -175,8 +176,9 @@ class LoaderState:
     def _set_generators(self, states: list) -> None:
         gens = _generators(self.loader)
         if len(gens) != len(states):
-            raise ValueError(f"cannot resume: the checkpoint's loader had {len(states)} generator(s) (loader or "
-                             f"sampler), this one has {len(gens)}: build it the same way")
+            raise ValueError(_("cannot resume: the checkpoint's loader had {saved} generator(s) (loader or sampler), "
+                               "this one has {here}: build it the same way").format(saved=len(states),
+                                                                                     here=len(gens)))
         for g, state in zip(gens, states):
             set_generator_state(g, state)
 

@@ -176,18 +176,20 @@ class TrainStep:
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callable, precision,
                  grad_clip: float | None = None, *, reduction: str = "mean"):
         if not isinstance(model, nn.Module):
-            raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+            raise TypeError(_("model must be an nn.Module, got {kind}").format(kind=type(model).__name__))
         if not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+            raise TypeError(_("optimizer must be a torch.optim.Optimizer, got {kind}").format(
+                kind=type(optimizer).__name__))
         if grad_clip is not None and not grad_clip > 0:
-            raise ValueError(f"grad_clip must be a positive number or None, got {grad_clip!r}")
+            raise ValueError(_("grad_clip must be a positive number or None, got {grad_clip!r}").format(
+                grad_clip=grad_clip))
         if reduction not in ("mean", "sum"):
-            raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
+            raise ValueError(_("reduction must be 'mean' or 'sum', got {reduction!r}").format(reduction=reduction))
         missing = [m for m in ("autocast", "backward", "unscale_", "step") if not callable(getattr(precision, m, None))]
         if missing:
-            raise TypeError(f"precision must have autocast(), backward(loss), unscale_(optimizer) and "
-                            f"step(optimizer), e.g. course_utils.amp.MixedPrecision; "
-                            f"{type(precision).__name__} lacks {', '.join(missing)}")
+            raise TypeError(_("precision must have autocast(), backward(loss), unscale_(optimizer) and "
+                              "step(optimizer), e.g. course_utils.amp.MixedPrecision; {kind} lacks {missing}").format(
+                                  kind=type(precision).__name__, missing=", ".join(missing)))
         self.model = model
         self.optimizer = optimizer
         self.loss_fn = loss_fn

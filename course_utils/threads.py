@@ -87,7 +87,7 @@ class BusyCores:
 
     def __init__(self, n: int = 1, seconds: float = 120.0):
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-            raise ValueError(f"n must be a non-negative int, got {n!r}")
+            raise ValueError(_("n must be a non-negative int, got {n!r}").format(n=n))
         self.n, self.seconds = n, seconds
         self.pids: list[int] = []
 

@@ -101,13 +101,15 @@ class Trainer:
                  grad_clip: float | None = None, oom_recovery: bool = False, checkpoint=None, scheduler=None,
                  sync_batchnorm: bool = False, batch_fn=None, resume: bool = False):
         if not isinstance(model, nn.Module):
-            raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+            raise TypeError(_("model must be an nn.Module, got {kind}").format(kind=type(model).__name__))
         if not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+            raise TypeError(_("optimizer must be a torch.optim.Optimizer, got {kind}").format(
+                kind=type(optimizer).__name__))
         if isinstance(accumulate, bool) or not isinstance(accumulate, int) or accumulate < 1:
-            raise ValueError(f"accumulate must be a positive int, got {accumulate!r}")
+            raise ValueError(_("accumulate must be a positive int, got {accumulate!r}").format(accumulate=accumulate))
         if batch_fn is not None and not callable(batch_fn):
-            raise TypeError(f"batch_fn must be a function of a batch, got {type(batch_fn).__name__}")
+            raise TypeError(_("batch_fn must be a function of a batch, got {kind}").format(
+                kind=type(batch_fn).__name__))
         check_optimizer_holds(model, optimizer)
         device = device if isinstance(device, torch.device) else get_device(device)
         # One process, or (under torchrun) this rank of the group: one GPU per local rank, or the CPU with gloo.
@@ -146,8 +148,8 @@ class Trainer:
         if resume:
             paths = [cb.path for cb in self.callbacks if isinstance(cb, Checkpoint)]
             if not paths:
-                raise ValueError("resume=True continues from the checkpoint file: pass checkpoint='run.pt' (or a "
-                                 "Checkpoint callback) too")
+                raise ValueError(_("resume=True continues from the checkpoint file: pass checkpoint='run.pt' (or a "
+                                   "Checkpoint callback) too"))
             ckpt.resume(self, paths[0])
 
     # --- callbacks ---------------------------------------------------------------------------
@@ -204,7 +206,7 @@ class Trainer:
 
     def __call__(self, epochs: int = 1) -> list[float]:
         if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 0:
-            raise ValueError(f"epochs must be a non-negative int, got {epochs!r}")
+            raise ValueError(_("epochs must be a non-negative int, got {epochs!r}").format(epochs=epochs))
         losses = []
         self.interrupted, self.stop_reason, self._requested, self._preempted = False, None, None, False
         self.epochs_this_call = epochs
@@ -276,7 +278,7 @@ class Trainer:
         if wish != GO_ON:
             return self._stop_inside_epoch(wish, finished=True)
         if self.tally.samples == 0:
-            raise ValueError("train_loader produced no batches")
+            raise ValueError(_("train_loader produced no batches"))
         mean = self.process.mean(self.tally.loss_sum, self.tally.samples)  # the one CPU-GPU sync point of the epoch
         if not math.isfinite(mean) and self.precision.scaler is None:
             raise non_finite_error(self.tally, self.process, self.epoch + 1, self.batch_in_epoch, mean)

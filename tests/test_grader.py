@@ -11,6 +11,7 @@ a third grades the real solved notebook 01.
 import csv
 import hashlib
 import html.parser
+import os
 import shutil
 import socket
 import subprocess
@@ -32,9 +33,15 @@ SUBMISSIONS = Path(__file__).resolve().parent / "grader_submissions"
 LIMITS = ["--timeout", "10", "--output", "2M", "--file-size", "1M", "--memory", "5G"]
 
 
+SECRET = "the instructor's secret line"
+
+
 def _snapshot(folder: Path) -> dict:
-    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else "dir"
-            for p in sorted(folder.rglob("*"))}
+    def digest(p):
+        if p.is_symlink() or not (p.is_file() or p.is_dir()):
+            return "special"
+        return hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else "dir"
+    return {str(p.relative_to(folder)): digest(p) for p in sorted(folder.rglob("*"))}
 
 
 def _prepare(base: Path, shell: bool, port: int = 9) -> tuple[Path, Path]:
@@ -46,6 +53,13 @@ def _prepare(base: Path, shell: bool, port: int = 9) -> tuple[Path, Path]:
     for folder in (subs, cwd):
         (folder / "sentinel.txt").write_text("must survive\n")
     (subs / "broken.ipynb").write_text('{"cells": [ this is not json\n')
+    # Hostile files (safe input): a FIFO, links to a classmate, to /dev/zero and to a secret, a formula as a name.
+    os.mkfifo(subs / "fifo.ipynb")
+    (subs / "copycat.ipynb").symlink_to(subs / "correct.ipynb")
+    (subs / "zero.ipynb").symlink_to("/dev/zero")
+    (base / "secret.txt").write_text(SECRET + "\n")
+    (subs / "peek.ipynb").symlink_to(base / "secret.txt")
+    shutil.copy(subs / "incorrect.ipynb", subs / "=2+3.ipynb")
     path = subs / "deletes_files.ipynb"
     nb = nbformat.read(path, as_version=4)
     for cell in nb.cells:
@@ -110,10 +124,11 @@ def _runs_cell(graded, learner) -> str:
 
 def test_every_learner_and_exercise_is_in_the_table(graded):
     learners = {k[0] for k in graded["rows"]}
-    expected = {p.stem for p in SUBMISSIONS.glob("*.ipynb")} | {"frank", "broken"}
-    assert learners == expected
+    hostile = {"fifo", "copycat", "zero", "peek", "=2+3"}
+    expected = {p.stem for p in SUBMISSIONS.glob("*.ipynb")} | {"frank", "broken"} | hostile
+    assert learners == (expected - {"=2+3"}) | {"'=2+3"}  # the CSV escapes what a spreadsheet would evaluate
     assert {k[1] for k in graded["rows"]} == {"01.1", "01.4"}
-    assert set(graded["cells"]) == set(graded["rows"])
+    assert {(k[0].lstrip("'"), k[1]) for k in graded["cells"]} == {(k[0].lstrip("'"), k[1]) for k in graded["rows"]}
 
 
 def test_correct_incorrect_and_not_attempted(graded):
@@ -198,15 +213,34 @@ def test_the_network_is_out_of_reach_where_the_os_allows_it(graded):
 
 def test_an_unreadable_notebook_is_reported(graded):
     assert _status(graded, "broken", "01.1")[0] == "not attempted"
-    assert "not a readable notebook" in _runs_cell(graded, "broken")
+    assert "not valid JSON" in _runs_cell(graded, "broken")
+
+
+@pytest.mark.parametrize("learner, why", [("fifo", "a FIFO"), ("copycat", "a symbolic link"),
+                                          ("zero", "a symbolic link"), ("peek", "a symbolic link")])
+def test_a_link_or_a_fifo_is_not_followed_and_is_reported(graded, learner, why):
+    # the grader finished (a FIFO would hang a plain open(), /dev/zero would read forever), and a link to a
+    # classmate's notebook does not earn the classmate's result
+    assert _status(graded, learner, "01.1")[0] == "not attempted"
+    assert why in _runs_cell(graded, learner) and "not graded" in _runs_cell(graded, learner)
+    assert _status(graded, "correct", "01.1")[0] == "correct"
+
+
+def test_no_file_contents_and_no_formula_reach_the_report(graded, tmp_path):
+    csv_text = "\n".join(",".join(r.values()) for r in graded["rows"].values())
+    assert SECRET not in graded["html"] and SECRET not in csv_text
+    assert graded["rows"]["'=2+3", "01.1"]["status"] == graded["cells"]["=2+3", "01.1"] == "incorrect"
+    from course_tools.grader.report import csv_cell
+    assert [csv_cell(v) for v in ("=1+1", "+1", "-1", "@SUM(A1)", "\tx", "alice", "3")] == \
+        ["'=1+1", "'+1", "'-1", "'@SUM(A1)", "'\tx", "alice", "3"]
 
 
 def test_the_summary_counts_the_common_mistakes_and_the_report_lists_the_containment(graded):
     page = graded["html"]
     start = page.index('<tr data-exercise="01.1">')
     row = page[start:page.index("</tr>", start)]
-    # incorrect, edited_outputs, patches_checker: the same listed mistake of 01.1
-    assert "3 \u00d7 known mistake: \u201cfactor is ignored\u201d" in row
+    # incorrect, =2+3 (a copy of it), edited_outputs, patches_checker: the same listed mistake of 01.1
+    assert "4 \u00d7 known mistake: \u201cfactor is ignored\u201d" in row
     assert "Time limit: 10 s" in page and "Memory limit: 5 GiB of address space (RLIMIT_AS)" in page
     sandbox = grader.Sandbox.probe()
     network = page[page.index("No network") - 60:page.index("No network")]

@@ -142,6 +142,127 @@ def test_the_glossary_is_enforced_and_accepts_its_renderings():
     assert "mixed precision" in translate.glossary("Mixed-precision training", "半精度训练", rows)
 
 
+@pytest.mark.parametrize("english, chinese, problem", [
+    ("the batch size is 32", "批量大小为 32", None),
+    ("the batch size is 32", "batch size 为 32", "batch size"),            # no English fallback
+    ("the batch size is 32", "批大小为 32", "refused '批大小'"),
+    ("one batch at a time", "一次一个批次", "refused '批次'"),               # 批次 reads as "batch number"
+    ("3 epochs", "3 个 epoch", "refused 'epoch'"),
+    ("in this notebook", "在本 notebook 中", "refused 'notebook'"),
+    ("in this notebook", "在本笔记本中", None),
+    ("two workers", "两个 worker", "refused 'worker'"),
+    ("two workers", "两个工作进程，`num_workers=2`", None),              # the code name stays
+    ("reserved memory", "已保留的显存", "refused '已保留'"),
+    ("a CUDA kernel", "一个 CUDA 内核", "refused 'CUDA 内核'"),
+    ("a CUDA kernel", "一个核函数", None),
+    ("restart the Jupyter kernel", "重启内核", None),
+    ("running statistics", "运行统计量", "refused '运行统计'"),
+    ("the Parameter objects", "同样的 Parameter 对象", None),              # a class's name, not the term
+    ("CUDA out of memory. Tried to", "CUDA out of memory. Tried to", None),  # PyTorch's message, kept whole
+])
+def test_the_glossary_refuses_other_renderings_and_english_fallbacks(english, chinese, problem):
+    found = translate.glossary(english, chinese, translate.load_glossary())
+    assert (found == []) if problem is None else any(problem in f for f in found), found
+
+
+def _catalogued_copy(tmp_path, source):
+    """A copy of an English notebook with its catalog, complete (the English kept where a translation is missing)."""
+    (tmp_path / "locale" / "zh_CN").mkdir(parents=True)
+    nb_path = tmp_path / source.name
+    shutil.copy(source, nb_path)
+    shutil.copy(translate.catalog_path(source), translate.catalog_path(nb_path))
+    po = translate.load_catalog(nb_path)
+    for entry in po:
+        entry.msgstr = entry.msgstr or entry.msgid
+    po.save(str(translate.catalog_path(nb_path)))
+    assert translate.check([nb_path], with_glossary=False) == []
+    return nb_path
+
+
+@pytest.mark.parametrize("kind", ["markdown", "comment", "string"])
+def test_an_edited_unit_keeps_its_old_translation_as_stale_until_reviewed(tmp_path, kind):
+    nb_path = _catalogued_copy(tmp_path, ENGLISH[1])
+    nb = json.loads(nb_path.read_text(encoding="utf-8"))
+    units = [u for u in translate.notebook_units(nb) if u.kind == kind]
+    unit = units[len(units) // 2]
+    cell = next(c for c in nb["cells"] if c["id"] == unit.cell_id)
+    source = translate._source(cell)
+    edited = unit.text[:-1] + " now" + unit.text[-1] if kind == "string" else unit.text + " now"
+    cell["source"] = source[:unit.start] + edited + source[unit.end:] if kind != "markdown" else edited
+    nb_path.write_text(json.dumps(nb), encoding="utf-8")
+    old = next(e for e in translate.load_catalog(nb_path) if (e.msgctxt, e.msgid) == (unit.cell_id, unit.text))
+
+    new, stale, _dropped = translate.update_catalog(nb_path)
+    assert (new, stale) == (0, 1)
+    entry = next(e for e in translate.load_catalog(nb_path) if e.msgctxt == unit.cell_id and e.msgid.strip() ==
+                 translate.Unit(unit.cell_id, kind, edited).text.strip())
+    assert "fuzzy" in entry.flags and entry.previous_msgid == unit.text and entry.msgstr == old.msgstr
+    def kinds():
+        return [(p.cell_id, p.kind) for p in translate.check([nb_path], with_glossary=False)]
+    assert kinds() == [(unit.cell_id, "stale")]
+    with pytest.raises(KeyError):
+        translate.translate_notebook(nb, translate.load_catalog(nb_path))
+    assert translate.main(["build", str(nb_path)]) == 1 and not (tmp_path / "zh-CN").exists()
+
+    po = translate.load_catalog(nb_path)  # a reviewer who only deletes "#, fuzzy" has not reviewed it
+    reviewed = next(e for e in po if e.msgid == entry.msgid and e.msgctxt == unit.cell_id)
+    reviewed.flags.remove("fuzzy")
+    po.save(str(translate.catalog_path(nb_path)))
+    assert kinds() == [(unit.cell_id, "stale")]
+    assert "previous English" in str(translate.check([nb_path], with_glossary=False)[0])
+    reviewed.previous_msgid = None  # compared and revised: the "#|" lines go
+    po.save(str(translate.catalog_path(nb_path)))
+    assert kinds() == []
+    assert translate.main(["build", str(nb_path)]) == 0 and (tmp_path / "zh-CN" / nb_path.name).exists()
+
+
+def test_a_glossary_problem_stops_the_build(tmp_path):
+    nb_path = _catalogued_copy(tmp_path, ENGLISH[3])
+    po = translate.load_catalog(nb_path)
+    entry = next(e for e in po if "kind: markdown" in e.comment and e.msgstr != e.msgid)
+    entry.msgstr += "一个批次。"
+    po.save(str(translate.catalog_path(nb_path)))
+    assert [p.kind for p in translate.check([nb_path])].count("glossary") >= 1
+    assert translate.main(["build", str(nb_path)]) == 1 and not (tmp_path / "zh-CN").exists()
+    entry.msgstr = entry.msgstr[:-len("一个批次。")]
+    po.save(str(translate.catalog_path(nb_path)))
+    assert translate.main(["build", str(nb_path)]) == 0, "the same catalog without the refused word builds"
+
+
+def test_an_edited_course_utils_message_is_carried_as_fuzzy_and_stops_the_build(tmp_path, monkeypatch):
+    import polib
+
+    package = tmp_path / "course_utils"
+    (package / "locale" / "zh_CN").mkdir(parents=True)
+    module = package / "greeting.py"
+    module.write_text('from course_utils.i18n import _\n\n\ndef hello():\n    return _("well done, {name}")\n')
+    monkeypatch.setattr(translate, "PACKAGE", package)
+    monkeypatch.setattr(translate, "DATA_MESSAGES", {})
+    translate.update_messages()
+    path = translate.module_catalog_path(module)
+    po = polib.pofile(str(path), wrapwidth=0)
+    po[0].msgstr = "做得好，{name}"
+    po.save(str(path))
+    assert translate.check_messages() == []
+
+    module.write_text(module.read_text().replace("well done, {name}", "well done indeed, {name}"))
+    translate.update_messages()
+    entry = polib.pofile(str(path), wrapwidth=0)[0]
+    assert entry.msgid == "well done indeed, {name}" and "fuzzy" in entry.flags
+    assert entry.previous_msgid == "well done, {name}" and entry.msgstr == "做得好，{name}"
+    assert [p.kind for p in translate.check_messages()] == ["stale"]
+    nb_path = _catalogued_copy(tmp_path, ENGLISH[1])
+    assert translate.main(["build", str(nb_path)]) == 1 and not (tmp_path / "zh-CN").exists()
+    po = polib.pofile(str(path), wrapwidth=0)
+    po[0].flags.remove("fuzzy")
+    po.save(str(path))
+    assert [p.kind for p in translate.check_messages()] == ["stale"]  # the previous msgid is still there
+    po[0].previous_msgid = None
+    po.save(str(path))
+    assert translate.check_messages() == []
+    assert translate.main(["build", str(nb_path)]) == 0 and (tmp_path / "zh-CN" / nb_path.name).exists()
+
+
 def test_messages_switch_language_and_back():
     assert get_language() == "en"
     with speaking("zh-CN"):

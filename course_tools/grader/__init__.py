@@ -43,17 +43,19 @@ code that starts processes or uses ctypes escapes the audit hook; fork bombs and
 tmpfs are not limited (use a container or a cgroup for that).
 
 The modules, each depending only on those after it: `cli` (the command line), `run` (`grade()`: the grading run
-of each notebook), `report` (`ClassReport`: the table, HTML and CSV), `results` (`Outcome`, `NotebookRun`),
-`limits` (`Limits`, sizes, `GradeError`), `kernel` (the grader's own cells, run in the learner's kernel) and
+of each notebook), `submissions` (which files are the learners' notebooks, read safely: regular files only, no link
+followed, no content in an error), `report` (`ClassReport`: the table, HTML and CSV, its cells escaped for
+spreadsheets), `results` (`Outcome`, `NotebookRun`), `limits` (`Limits`, sizes, `GradeError`), `kernel` (the grader's own cells, run in the learner's kernel) and
 `sandbox` (what the machine allows, and the launcher run between `unshare` and the kernel: standard library only).
 """
 from .cli import add_arguments, main
 from .limits import GiB, MiB, GradeError, Limits, format_size, parse_size
 from .report import ClassReport
 from .results import CORRECT, INCORRECT, NOT_ATTEMPTED, NOT_RUN, NotebookRun, Outcome
-from .run import find_submissions, grade
+from .run import grade
 from .sandbox import Sandbox
+from .submissions import find_submissions, read_notebook
 
-__all__ = ["grade", "find_submissions", "Limits", "GradeError", "parse_size", "format_size", "GiB", "MiB",
+__all__ = ["grade", "find_submissions", "read_notebook", "Limits", "GradeError", "parse_size", "format_size", "GiB", "MiB",
            "ClassReport", "NotebookRun", "Outcome", "Sandbox", "CORRECT", "INCORRECT", "NOT_ATTEMPTED", "NOT_RUN",
            "add_arguments", "main"]

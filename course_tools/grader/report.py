@@ -121,8 +121,11 @@ class ClassReport:
     # --- output ------------------------------------------------------------------------------------------------
 
     def write_csv(self, path) -> None:
+        """One row per learner and exercise. A cell that a spreadsheet would read as a formula (starting with =, +,
+        -, @, a tab or a carriage return: a learner named "=2+3", feedback quoting "-1") is written with a leading
+        apostrophe, as OWASP recommends against CSV injection."""
         with open(path, "w", newline="", encoding="utf-8") as f:
-            writer = csv.writer(f)
+            writer = _SafeWriter(csv.writer(f))
             writer.writerow(["learner", "exercise", "status", "feedback", "flags", "notebook", "notebook_status"])
             for learner in self.learners:
                 by_name = {r.name: r for r in self.runs[learner]}
@@ -189,3 +192,20 @@ grader in the learner's kernel after the learner's cell; the notebooks' saved ou
         parts.append("</tbody></table></body></html>\n")
         with open(path, "w", encoding="utf-8") as f:
             f.write("".join(parts))
+
+
+_FORMULA_START = ("=", "+", "-", "@", "\t", "\r")
+
+
+def csv_cell(value) -> str:
+    """`value` as a CSV cell that no spreadsheet evaluates."""
+    text = str(value)
+    return "'" + text if text.startswith(_FORMULA_START) else text
+
+
+class _SafeWriter:
+    def __init__(self, writer):
+        self.writer = writer
+
+    def writerow(self, row) -> None:
+        self.writer.writerow([csv_cell(v) for v in row])

@@ -28,12 +28,12 @@ import course_utils.exercises as exercises
 
 from ..solve import exercise_cells
 from . import kernel
-from .limits import GradeError, Limits, format_size
+from .limits import Limits, format_size
 from .report import ClassReport
 from .results import INCORRECT, NOT_RUN, RANK, NotebookRun, Outcome
 from .sandbox import Sandbox
+from .submissions import Unreadable, find_submissions, read_notebook
 
-_MAX_NOTEBOOK = 100 * 2 ** 20  # bytes of .ipynb the grader reads
 # The checkers the grader loads afresh in each kernel, and the course's folder (code compiled from there is its own).
 EXERCISES_DIR = os.path.dirname(os.path.abspath(exercises.__file__))
 COURSE_DIR = os.path.dirname(EXERCISES_DIR) + os.sep
@@ -41,35 +41,6 @@ COURSE_DIR = os.path.dirname(EXERCISES_DIR) + os.sep
 
 class _SetupFailed(Exception):
     """The grader's own first cell failed in the kernel (a limit too tight for importing torch, ...)."""
-
-
-def find_submissions(root) -> dict[str, list]:
-    """{learner: [notebook paths]}: a notebook per learner (name = file stem) or a folder per learner."""
-    root = Path(root)
-    if not root.exists():
-        raise GradeError(f"{root}: no such folder")
-    if not root.is_dir():
-        raise GradeError(f"{root} is a file; give the folder that holds the learners' notebooks "
-                         "(one .ipynb per learner, or one folder per learner)")
-    learners: dict[str, list] = {}
-    for path in sorted(root.iterdir()):
-        if path.name.startswith("."):
-            continue
-        if path.is_file() and path.suffix == ".ipynb":
-            name, notebooks = path.stem, [path]
-        elif path.is_dir():
-            name = path.name
-            notebooks = sorted(p for p in path.rglob("*.ipynb")
-                               if not any(part.startswith(".") for part in p.relative_to(path).parts))
-        else:
-            continue
-        if name in learners:
-            raise GradeError(f"{root}: {name!r} is both a notebook and a folder; which one is the learner's?")
-        learners[name] = notebooks
-    if not any(learners.values()):
-        raise GradeError(f"{root} holds no .ipynb files: expected one notebook per learner (alice.ipynb) or one "
-                         "folder of notebooks per learner (alice/01_callables.ipynb)")
-    return learners
 
 
 def _solution_calls(source: str) -> list[str]:
@@ -188,10 +159,7 @@ class _Grading:
     # --- the notebook, with the grader's cells added -----------------------------------------------------------
 
     def _prepare(self):
-        size = os.path.getsize(self.result.path)
-        if size > _MAX_NOTEBOOK:
-            raise ValueError(f"{format_size(size)}, more than the {format_size(_MAX_NOTEBOOK)} a notebook may have")
-        nb = nbformat.read(self.result.path, as_version=4)
+        nb = read_notebook(self.result.path)
         code_cells = [i for i, c in enumerate(nb.cells) if c.cell_type == "code"]
         ex_cells: dict[int, list[str]] = {}
         for i, ex_id in exercise_cells(nb):
@@ -257,8 +225,12 @@ class _Grading:
         try:
             try:
                 run_nb = self._prepare()
+            except Unreadable as exc:  # the reason only: nothing of what the file holds reaches the report
+                self.result.status, self.result.detail = "unreadable", f"not graded: {exc}"
+                self.exercises = []
+                return self.result
             except Exception as exc:
-                self.result.status, self.result.detail = "unreadable", f"not a readable notebook: {exc}"
+                self.result.status, self.result.detail = "unreadable", f"not a readable notebook ({type(exc).__name__})"
                 self.exercises = []
                 return self.result
             if not self.exercises:

@@ -37,7 +37,7 @@ def build_model(kind: str) -> nn.Module:
         return SimpleCNN()
     if kind == "linear":  # small and without BatchNorm or dropout: runs equal float for float
         return nn.Sequential(nn.Flatten(), nn.Linear(28 * 28, 10))
-    raise ValueError(f"unknown model {kind!r}")
+    raise ValueError(_("unknown model {kind!r}").format(kind=kind))
 
 
 class KillAtStep(Callback):

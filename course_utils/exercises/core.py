@@ -79,7 +79,7 @@ _hints_shown: dict[str, int] = {}
 def register(*exercises: Exercise) -> None:
     for ex in exercises:
         if ex.id in REGISTRY and REGISTRY[ex.id] is not ex:
-            raise ValueError(f"exercise id {ex.id} registered twice")
+            raise ValueError(_("exercise id {id} registered twice").format(id=ex.id))
         REGISTRY[ex.id] = ex
 
 

@@ -385,7 +385,7 @@ class _FailingForward(nn.Module):
         self.fc = nn.Linear(6, 3)
 
     def forward(self, x):
-        raise RuntimeError("the checker's model failed in forward on purpose")
+        raise RuntimeError(_("the checker's model failed in forward on purpose"))
 
 
 def _submodules_restored(model: nn.Module, training: bool) -> None:
@@ -530,7 +530,7 @@ class _Raising(nn.Module):
 
     def forward(self, x):
         self.fc(x)
-        raise RuntimeError("the checker's model failed in forward on purpose")
+        raise RuntimeError(_("the checker's model failed in forward on purpose"))
 
 
 def _cases() -> list[tuple[str, nn.Module, torch.Tensor, str | None]]:

@@ -543,7 +543,7 @@ def _claim_device(checkpoint: bytes, device: str) -> bytes:
             data = src.read(name)
             if name.endswith("data.pkl"):
                 if old not in data:
-                    raise ValueError("no CPU storage found in this checkpoint")
+                    raise ValueError(_("no CPU storage found in this checkpoint"))
                 data = data.replace(old, new)
             dst.writestr(name, data)
     return out.getvalue()

@@ -714,7 +714,7 @@ class _ThreadedStep:
         n = torch.get_num_threads()
         k = self.calls[n] = self.calls.get(n, 0) + 1
         if n == self.fail_at:
-            raise RuntimeError(f"out of memory with {n} threads")
+            raise RuntimeError(_("out of memory with {n} threads").format(n=n))
         seconds = self.outliers.get((n, k), self.ms.get(n, 0.010) + (0.040 if k <= self.slow_first.get(n, 0) else 0))
         if self.clock is not None:
             self.clock.now += seconds  # the clock the learner's code reads

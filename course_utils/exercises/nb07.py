@@ -326,7 +326,7 @@ def _check_save_atomically(save_atomically):
                 f.write(b"PK\x03\x04 half a checkpoint")
             else:
                 Path(f).write_bytes(b"PK\x03\x04 half a checkpoint")
-            raise _Crash("disk full")
+            raise _Crash(_("disk full"))
 
         raised = False
         with mock.patch.object(torch, "save", crashing_save):

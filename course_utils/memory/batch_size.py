@@ -62,7 +62,7 @@ def _batch_maker(source, device: torch.device) -> Callable[[int], tuple]:
         def make(n: int):
             batch = source(n)
             if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
-                raise TypeError("make_batch(n) must return (inputs, targets)")
+                raise TypeError(_("make_batch(n) must return (inputs, targets)"))
             return tuple(b.to(device) if isinstance(b, torch.Tensor) else b for b in batch)
         return make
     if hasattr(source, "images") and hasattr(source, "labels"):
@@ -80,8 +80,9 @@ def _batch_maker(source, device: torch.device) -> Callable[[int], tuple]:
             y = torch.stack(ys) if isinstance(ys[0], torch.Tensor) else torch.tensor(ys)
             return torch.stack(xs).to(device), y.to(device)
         return make
-    raise TypeError("make_batch_or_dataset must be a callable size -> (inputs, targets), or a dataset "
-                    f"(with .images/.labels, or indexable with len()); got {type(source).__name__}")
+    raise TypeError(_("make_batch_or_dataset must be a callable size -> (inputs, targets), or a dataset "
+                      "(with .images/.labels, or indexable with len()); got {kind}").format(
+                          kind=type(source).__name__))
 
 
 class _Snapshot:
@@ -171,13 +172,16 @@ def find_max_batch_size(make_batch_or_dataset, model: nn.Module, optimizer: torc
     `batch_size` is the largest size that fit reduced by `safety_margin` (0.1 = 10% headroom).
     """
     if not isinstance(start, int) or start < 1:
-        raise ValueError(f"start must be a positive int, got {start!r}")
+        raise ValueError(_("start must be a positive int, got {start!r}").format(start=start))
     if not isinstance(max_size, int) or max_size < start:
-        raise ValueError(f"max_size must be an int >= start ({start}), got {max_size!r}")
+        raise ValueError(_("max_size must be an int >= start ({start}), got {max_size!r}").format(
+            start=start, max_size=max_size))
     if not 0.0 <= safety_margin < 1.0:
-        raise ValueError(f"safety_margin must be in [0, 1), got {safety_margin!r}")
+        raise ValueError(_("safety_margin must be in [0, 1), got {safety_margin!r}").format(
+            safety_margin=safety_margin))
     if not isinstance(steps_per_trial, int) or steps_per_trial < 1:
-        raise ValueError(f"steps_per_trial must be a positive int, got {steps_per_trial!r}")
+        raise ValueError(_("steps_per_trial must be a positive int, got {steps_per_trial!r}").format(
+            steps_per_trial=steps_per_trial))
     first = next(iter(model.parameters()), None)
     if device is not None:
         dev = torch.device(device)

@@ -94,7 +94,7 @@ def _example_parts(example_batch):
         return example_batch, None
     if isinstance(example_batch, (tuple, list)) and len(example_batch) == 2:
         return example_batch[0], example_batch[1]
-    raise TypeError("example_batch must be the inputs tensor or a pair (inputs, targets)")
+    raise TypeError(_("example_batch must be the inputs tensor or a pair (inputs, targets)"))
 
 
 def estimate_training_memory(model: nn.Module, optimizer: torch.optim.Optimizer, example_batch,
@@ -114,12 +114,13 @@ def estimate_training_memory(model: nn.Module, optimizer: torch.optim.Optimizer,
     context, cuBLAS/cuDNN workspaces and kernels' scratch buffers, allocator fragmentation.
     """
     if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+        raise TypeError(_("model must be an nn.Module, got {kind}").format(kind=type(model).__name__))
     if not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        raise TypeError(_("optimizer must be a torch.optim.Optimizer, got {kind}").format(
+            kind=type(optimizer).__name__))
     inputs, targets = _example_parts(example_batch)
     if not isinstance(inputs, torch.Tensor) or (targets is not None and not isinstance(targets, torch.Tensor)):
-        raise TypeError("example_batch must hold tensors: inputs, or (inputs, targets)")
+        raise TypeError(_("example_batch must hold tensors: inputs, or (inputs, targets)"))
     ledger = StorageLedger(block_bytes)
     count = ledger.count
     notes: list[str] = []

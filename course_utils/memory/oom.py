@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..i18n import _
+
 
 # --- recognising and recovering from OOM -------------------------------------------------
 
@@ -40,7 +42,7 @@ def is_oom_error(exc: BaseException | None) -> bool:
     if exc is None:
         return False
     if not isinstance(exc, BaseException):
-        raise TypeError(f"is_oom_error expects an exception, got {type(exc).__name__}")
+        raise TypeError(_("is_oom_error expects an exception, got {kind}").format(kind=type(exc).__name__))
     seen: set[int] = set()
     todo: list[BaseException] = [exc]
     while todo:

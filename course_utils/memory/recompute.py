@@ -8,6 +8,8 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from ..i18n import _
+
 
 # --- activation checkpointing ----------------------------------------------------------------
 
@@ -19,7 +21,7 @@ class Checkpointed(nn.Module):
     def __init__(self, module: nn.Module, preserve_rng_state: bool = True):
         super().__init__()
         if not isinstance(module, nn.Module):
-            raise TypeError(f"checkpointed() wraps an nn.Module, got {type(module).__name__}")
+            raise TypeError(_("checkpointed() wraps an nn.Module, got {kind}").format(kind=type(module).__name__))
         self.module = module
         self.preserve_rng_state = preserve_rng_state
 
@@ -43,7 +45,8 @@ def checkpoint_sequential_blocks(blocks: nn.Sequential | Sequence[nn.Module], se
     from torch.utils.checkpoint import checkpoint_sequential
     n = len(blocks)
     if not isinstance(segments, int) or not 1 <= segments <= max(n, 1):
-        raise ValueError(f"segments must be an int between 1 and the number of blocks ({n}), got {segments!r}")
+        raise ValueError(_("segments must be an int between 1 and the number of blocks ({n}), got {segments!r}").format(
+            n=n, segments=segments))
     if not torch.is_grad_enabled():
         for b in blocks:
             input = b(input)

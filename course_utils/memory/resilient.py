@@ -84,7 +84,7 @@ class ResilientStep:
                  precision: Any = None, grad_clip: float | None = None, *, reduction: str = "mean",
                  regrow_after: int = 100):
         if not isinstance(model, nn.Module):
-            raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+            raise TypeError(_("model must be an nn.Module, got {kind}").format(kind=type(model).__name__))
         if precision is None:
             precision = MixedPrecision(_device_of(model), enabled=False)
         self._setup(TrainStep(model, optimizer, loss_fn, precision, grad_clip, reduction=reduction), regrow_after)
@@ -93,14 +93,16 @@ class ResilientStep:
     def around(cls, step: TrainStep, regrow_after: int = 100) -> "ResilientStep":
         """Make an existing `TrainStep` resilient (the Trainer does this with `oom_recovery=True`)."""
         if not isinstance(step, TrainStep):
-            raise TypeError(f"step must be a course_utils.step.TrainStep, got {type(step).__name__}")
+            raise TypeError(_("step must be a course_utils.step.TrainStep, got {kind}").format(
+                kind=type(step).__name__))
         self = cls.__new__(cls)
         self._setup(step, regrow_after)
         return self
 
     def _setup(self, step: TrainStep, regrow_after: int) -> None:
         if isinstance(regrow_after, bool) or not isinstance(regrow_after, int) or regrow_after < 1:
-            raise ValueError(f"regrow_after must be a positive int, got {regrow_after!r}")
+            raise ValueError(_("regrow_after must be a positive int, got {regrow_after!r}").format(
+                regrow_after=regrow_after))
         self.step = step
         self.regrow_after = regrow_after
         self.micro_batch_size: int | None = None  # None: whole batches fit so far

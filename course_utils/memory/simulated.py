@@ -360,11 +360,13 @@ class SimulatedGPU:
                  optimizer: torch.optim.Optimizer | None = None, block_bytes: int = CUDA_BLOCK_BYTES):
         self.budget = parse_bytes(budget)
         if not isinstance(block_bytes, int) or block_bytes < 1:
-            raise ValueError(f"block_bytes must be a positive int, got {block_bytes!r}")
+            raise ValueError(_("block_bytes must be a positive int, got {block_bytes!r}").format(
+                block_bytes=block_bytes))
         if model is not None and not isinstance(model, nn.Module):
-            raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+            raise TypeError(_("model must be an nn.Module, got {kind}").format(kind=type(model).__name__))
         if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+            raise TypeError(_("optimizer must be a torch.optim.Optimizer, got {kind}").format(
+                kind=type(optimizer).__name__))
         self._ledger = StorageLedger(block_bytes)
         self._modules: list[nn.Module] = [model] if model is not None else []
         self._optimizers: list[torch.optim.Optimizer] = [optimizer] if optimizer is not None else []
@@ -477,7 +479,8 @@ class SimulatedGPU:
             elif isinstance(obj, torch.Tensor):
                 tensors.append(obj)
             else:
-                raise TypeError(f"track() takes tensors, modules and optimizers, got {type(obj).__name__}")
+                raise TypeError(_("track() takes tensors, modules and optimizers, got {kind}").format(
+                    kind=type(obj).__name__))
         ledger = self._ledger
         new: dict[int, tuple[torch.UntypedStorage, int]] = {}
         for t in tensors:

@@ -6,6 +6,8 @@ import re
 import unicodedata
 from typing import Union
 
+from ..i18n import _
+
 BytesLike = Union[int, float, str]
 
 CUDA_BLOCK_BYTES = 512  # the CUDA caching allocator rounds every allocation up to a multiple of this
@@ -29,24 +31,26 @@ def parse_bytes(value: BytesLike) -> int:
     (KB, MB, GB, TB) are powers of 1000. Raises ValueError for anything that is not a positive size.
     """
     if isinstance(value, bool):
-        raise ValueError(f"a memory size must be a number of bytes or a string like '64MiB', got {value!r}")
+        raise ValueError(_("a memory size must be a number of bytes or a string like '64MiB', got {value!r}").format(
+            value=value))
     if isinstance(value, int):
         n = value
     elif isinstance(value, float):
         if not math.isfinite(value) or value != int(value):
-            raise ValueError(f"a memory size in bytes must be a whole number, got {value!r}")
+            raise ValueError(_("a memory size in bytes must be a whole number, got {value!r}").format(value=value))
         n = int(value)
     elif isinstance(value, str):
         m = _SIZE_RE.match(value)
         unit = m.group(2).lower() if m else None
         if m is None or unit not in _UNITS:
-            raise ValueError(f"cannot read {value!r} as a memory size; write e.g. 512, '64MiB', '1.5GiB' or '500MB'")
+            raise ValueError(_("cannot read {value!r} as a memory size; write e.g. 512, '64MiB', '1.5GiB' or "
+                                "'500MB'").format(value=value))
         n = int(float(m.group(1)) * _UNITS[unit])
     else:
-        raise ValueError(f"a memory size must be a number of bytes or a string like '64MiB', "
-                         f"got {type(value).__name__}")
+        raise ValueError(_("a memory size must be a number of bytes or a string like '64MiB', got {kind}").format(
+            kind=type(value).__name__))
     if n <= 0:
-        raise ValueError(f"a memory size must be positive, got {value!r}")
+        raise ValueError(_("a memory size must be positive, got {value!r}").format(value=value))
     return n
 
 
