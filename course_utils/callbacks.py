@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .epoch import NonFiniteLossError
+from .errors import learner_stacklevel
 from .i18n import _
 
 if TYPE_CHECKING:  # for annotations only: this module does not import the trainer
@@ -99,7 +100,7 @@ def warn_unknown_hooks(callback) -> None:
             warnings.warn(_("{callback}.{name} is not a Trainer hook, so it is never called; did you mean "
                             "{near}? The hooks are: {hooks}").format(
                 callback=type(callback).__name__, name=name, near=near[0], hooks=", ".join(HOOKS)),
-                UserWarning, stacklevel=4)
+                UserWarning, stacklevel=learner_stacklevel())
 
 
 def hook_lists(callbacks) -> dict[str, list]:
@@ -214,6 +215,9 @@ class Checkpoint(Callback):
             raise ValueError(_("every_n_steps must be a positive int or None, got {every_n_steps!r}").format(
                 every_n_steps=every_n_steps))
         self.path = Path(path)
+        if self.path.is_dir():
+            raise IsADirectoryError(_("checkpoint {path} is a folder: give a file name in it, e.g. {example}").format(
+                path=self.path, example=self.path / "run.pt"))
         self.every_n_steps = every_n_steps
 
     def on_batch_end(self, trainer, loss) -> None:

@@ -17,13 +17,15 @@ import torch
 from torch import nn
 
 from .i18n import _
-from .step import forward, pair_on
+from .step import batch_len, forward, pair_on
 
 
 @torch.no_grad()
 def evaluate(model: nn.Module, loader, loss_fn, device=None, *, precision=None, batch_fn=None,
              all_sum=None) -> dict:
-    """Mean loss and accuracy (argmax of the outputs' dim 1 against the targets) over `loader`.
+    """Mean loss (sample-weighted) and accuracy over `loader`. Accuracy (argmax of the outputs' dim 1 against the
+    targets) is there when the model is a classifier: outputs of shape (n, classes) and integer targets of shape
+    (n,); for any other model (a regression, outputs that are a tuple) it is None.
     `device`: where batches go (default: the model's); `precision`: its `autocast()` is entered around the forward
     pass; `batch_fn`: a loader batch as (inputs, targets); `all_sum`: sums a tensor over processes."""
     if device is None:
@@ -32,14 +34,19 @@ def evaluate(model: nn.Module, loader, loss_fn, device=None, *, precision=None, 
     model.eval()
     total_loss = torch.zeros((), device=device, dtype=torch.float64)
     correct = torch.zeros((), device=device, dtype=torch.float64)
-    count = 0
+    count, classifier = 0, True
     for batch in loader:
         inputs, targets = pair_on(batch, device, batch_fn)
         with precision.autocast() if precision is not None else contextlib.nullcontext():
-            logits = forward(model, inputs)
-        total_loss += loss_fn(logits.float(), targets) * len(targets)
-        correct += (logits.argmax(1) == targets).sum()
-        count += len(targets)
+            outputs = forward(model, inputs)
+        n = batch_len(targets)
+        if isinstance(outputs, torch.Tensor):
+            outputs = outputs.float()  # the loss in float32, as in training (autocast leaves losses in float32)
+        total_loss += loss_fn(outputs, targets) * n
+        classifier = classifier and _classifies(outputs, targets)
+        if classifier:
+            correct += (outputs.argmax(1) == targets).sum()
+        count += n
     model.train(was_training)
     sums = torch.stack([total_loss, correct, torch.tensor(float(count), dtype=torch.float64, device=device)])
     if all_sum is not None:
@@ -47,4 +54,10 @@ def evaluate(model: nn.Module, loader, loss_fn, device=None, *, precision=None, 
     total_loss, correct, count = sums.tolist()  # CPU-GPU sync point here
     if count == 0:
         raise ValueError(_("the evaluation loader produced no batches"))
-    return {"loss": total_loss / count, "accuracy": correct / count}
+    return {"loss": total_loss / count, "accuracy": correct / count if classifier else None}
+
+
+def _classifies(outputs, targets) -> bool:
+    """Class scores (n, classes) and integer class labels (n,): what accuracy is defined for."""
+    return (isinstance(outputs, torch.Tensor) and isinstance(targets, torch.Tensor) and outputs.dim() == 2
+            and targets.dim() == 1 and not targets.is_floating_point() and not targets.is_complex())

@@ -12,6 +12,7 @@ the loader's position (`course_utils.loader_state`, for any loader); a Ctrl-C is
 """
 from __future__ import annotations
 
+import copy
 import math
 import weakref
 from pathlib import Path
@@ -47,9 +48,11 @@ def _reason(stop: StopTraining | None) -> str:
 class Trainer:
     """Train `model` with `optimizer` on `train_loader` batches of (inputs, targets).
 
-    `history = trainer(epochs)` runs `epochs` more epochs and returns their mean training losses (floats).
+    `loss_fn(outputs, targets)` returns the batch's mean loss (PyTorch's default), or its sum for a loss built with
+    reduction="sum" (micro-batches then add up, unweighted). `history = trainer(epochs)` runs `epochs` more epochs
+    (an epoch a stop left unfinished counts as one of them) and returns their mean training losses (floats).
     `trainer.history` keeps every epoch's mean loss across calls, `trainer.logs` every epoch's full log
-    (loss, and val_loss / val_accuracy when `val_loader` is given), `trainer.epoch` counts finished epochs,
+    (loss, and val_loss / val_accuracy when `val_loader` is given; val_accuracy only for a classifier), `trainer.epoch` counts finished epochs,
     `trainer.batches_trained` the batches trained on and `trainer.optimizer_steps` the optimizer steps.
 
     Options of the step:
@@ -111,6 +114,14 @@ class Trainer:
             raise TypeError(_("batch_fn must be a function of a batch, got {kind}").format(
                 kind=type(batch_fn).__name__))
         check_optimizer_holds(model, optimizer)
+        reduction = getattr(loss_fn, "reduction", "mean")  # nn losses say what they return; a function: a mean
+        if reduction not in ("mean", "sum"):
+            raise ValueError(_("loss_fn returns one loss per sample (reduction={reduction!r}); the Trainer needs one "
+                               "number per batch: use reduction='mean' (or 'sum')").format(reduction=reduction))
+        for cb in callbacks:
+            if isinstance(cb, type):
+                raise TypeError(_("callbacks=[{name}] passes the class, not a callback: create one, {name}(...)")
+                                .format(name=cb.__name__))
         device = device if isinstance(device, torch.device) else get_device(device)
         # One process, or (under torchrun) this rank of the group: one GPU per local rank, or the CPU with gloo.
         self.process = distributed.join(device.type)
@@ -121,7 +132,8 @@ class Trainer:
         self.val_loader = self.process.shard(val_loader) if val_loader is not None else None
         self.optimizer, self.loss_fn, self.accumulate, self.batch_fn = optimizer, loss_fn, accumulate, batch_fn
         self.precision = precision_for(mixed_precision, self.device)
-        self.train_step = TrainStep(self.train_model, optimizer, loss_fn, self.precision, grad_clip)
+        self.train_step = TrainStep(self.train_model, optimizer, loss_fn, self.precision, grad_clip,
+                                    reduction=reduction)  # a summed loss: micro-batches add up, unweighted
         self.step = ResilientStep.around(self.train_step) if oom_recovery else self.train_step
         self.callbacks: list[Callback] = [MemoryCheck(), *callbacks]  # does the first step fit? (warns if not)
         if scheduler is not None:
@@ -228,7 +240,9 @@ class Trainer:
                     logs = {"loss": mean_loss}
                     if self.val_loader is not None:
                         val = self.evaluate(self.val_loader)
-                        logs.update(val_loss=val["loss"], val_accuracy=val["accuracy"])
+                        logs["val_loss"] = val["loss"]
+                        if val["accuracy"] is not None:  # a classifier
+                            logs["val_accuracy"] = val["accuracy"]
                     self.history.append(mean_loss)
                     self.logs.append(logs)
                     losses.append(mean_loss)
@@ -309,7 +323,7 @@ class Trainer:
         tally, last = self.tally, len(group) - 1
         for i, ((_inputs, targets), loss) in enumerate(zip(group, losses)):
             n = batch_len(targets)
-            tally.loss_sum.add_(loss, alpha=n)  # one fused op: sum += n * loss
+            tally.loss_sum.add_(loss, alpha=n if self.train_step.reduction == "mean" else 1)  # sum += n * loss
             tally.losses.append(loss)
             tally.samples += n
             self.batch_in_epoch += 1
@@ -380,9 +394,10 @@ class Trainer:
     # --- checkpoints: the state of the named parts (`course_utils.checkpoint`) -------------------
 
     def state_dict(self) -> dict:
-        """Everything needed to continue this run exactly (`checkpoint.trainer_state`; a collective in a
-        distributed run: every rank calls it)."""
-        return ckpt.trainer_state(self)
+        """Everything needed to continue this run exactly, as a snapshot: training on afterwards does not change
+        it (tensors copied, unlike `model.state_dict()`). A collective in a distributed run: every rank calls it.
+        (`save_checkpoint` writes the state without the copy.)"""
+        return copy.deepcopy(ckpt.trainer_state(self))
 
     def load_state_dict(self, state: dict) -> None:
         """Restore `state_dict()`: all of it or, if anything does not fit, none of it (ValueError naming why)."""

@@ -1,8 +1,10 @@
 """An outside review of the Trainer's documented guarantees, attacked with cases a learner would write.
 
 Every expectation here comes from the docstrings of course_utils/trainer.py (and its parts) and README.md's
-Trainer section; the oracle is always a hand-written PyTorch loop. Tests that expose a real bug are marked
-xfail(strict=True) with the bug in the reason.
+Trainer section; the oracle is always a hand-written PyTorch loop. The bugs it found are fixed and their tests
+pass: validation of a model that is not a classifier, a summed loss under accumulation, a callback class passed
+for an instance, `Trainer.state_dict()` that was not a snapshot, the misspelled-hook warning shown at the package's
+line, a folder given as the checkpoint file.
 """
 from __future__ import annotations
 
@@ -1117,12 +1119,6 @@ def test_validation_figures_match_hand_computation_and_keep_train_mode():
     assert model.training
 
 
-@pytest.mark.xfail(strict=True, reason="Trainer validation assumes a classifier returning one logits tensor: "
-                   "evaluation.evaluate() always computes logits.float() and logits.argmax(1), so with val_loader "
-                   "a regression model with 1-D output (n,) and mse_loss crashes at the end of epoch 1 with "
-                   "'IndexError: Dimension out of range', and a model returning (logits, aux) with a loss_fn that "
-                   "handles it crashes with \"AttributeError: 'tuple' object has no attribute 'float'\", though "
-                   "training both works and nothing in the Trainer's docs restricts val_loader to classifiers")
 @pytest.mark.parametrize("case", ["regression_1d", "tuple_output"])
 def test_validation_with_models_that_train_fine(case):
     class Reg(nn.Module):
@@ -1147,12 +1143,6 @@ def test_validation_with_models_that_train_fine(case):
     assert math.isfinite(trainer.logs[0]["val_loss"])
 
 
-@pytest.mark.xfail(strict=True, reason="the Trainer silently assumes loss_fn returns the batch mean: with "
-                   "nn.CrossEntropyLoss(reduction='sum') (common for VAEs) and accumulate=3, each micro-batch's "
-                   "summed loss is still weighted by n_i/total, so the update is not the one step on the "
-                   "concatenated batches that the accumulate docs promise (and the epoch 'mean loss' is neither "
-                   "the per-sample mean nor the sum); TrainStep has reduction='sum' for this, but Trainer has no "
-                   "way to pass it and its docstring does not say loss_fn must average")
 def test_accumulate_with_a_summed_loss_equals_one_big_batch():
     x, y = data(12)
     model, ref = mlp(), mlp()
@@ -1224,11 +1214,6 @@ def test_triple_batches_without_batch_fn_say_what_to_do():
         make_trainer(model, sgd(model), [(x, y, y)])(1)
 
 
-@pytest.mark.xfail(strict=True, reason="callbacks=[EarlyStopping] (a class, the parentheses forgotten) is not "
-                   "refused: the Trainer calls the class's unbound hooks with the trainer as `self` and fails with "
-                   "\"TypeError: Callback.on_train_end() missing 1 required positional argument: 'trainer'\" "
-                   "(raised from the finally block, chained on the same error from on_train_start), which names "
-                   "neither the callback nor the slip")
 def test_callback_class_instead_of_instance_is_refused_clearly():
     from course_utils.callbacks import EarlyStopping
     x, y = data(4)
@@ -1412,12 +1397,6 @@ def test_persistent_workers_resume_from_file(tmp_path):
     assert t2.history == full and same_weights(m2, ref)
 
 
-@pytest.mark.xfail(strict=True, reason="Trainer.state_dict() is not a snapshot: its 'model' and 'optimizer' "
-                   "entries are the live tensors of model.state_dict()/optimizer.state_dict() (shared storage, "
-                   "updated in place by later steps) while epoch/history/counters/RNG are copies; so "
-                   "`s = trainer.state_dict(); trainer(1); trainer.load_state_dict(s)` silently yields epoch-1 "
-                   "counters and history with epoch-2 weights and Adam moments, and continuing does not reproduce "
-                   "the run ('Everything needed to continue this run exactly' holds only through a file)")
 def test_in_memory_state_dict_roll_back():
     x, y = data(12)
     model = mlp()
@@ -1518,3 +1497,34 @@ def test_epoch_scheduler_and_early_stopping_state_survive_a_file_resume(tmp_path
     es2 = [cb for cb in t2.callbacks if isinstance(cb, EarlyStopping)][0]
     es1 = [cb for cb in ref.callbacks if isinstance(cb, EarlyStopping)][0]
     assert (es2.best, es2.best_epoch, es2.bad_epochs) == (es1.best, es1.best_epoch, es1.bad_epochs)
+
+
+def test_a_per_sample_loss_a_folder_as_checkpoint_and_a_misspelled_hook_are_named_at_once(tmp_path):
+    x, y = data(8)
+    model = mlp()
+    with pytest.raises(ValueError, match="reduction='none'"):
+        Trainer(model, sgd(model), nn.CrossEntropyLoss(reduction="none"), as_list(x, y, 4), device=CPU)
+    with pytest.raises(IsADirectoryError, match="run.pt"):
+        make_trainer(model, sgd(model), as_list(x, y, 4), checkpoint=tmp_path)
+
+    class Typo(Callback):
+        def on_step_end(self, trainer):
+            pass
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        make_trainer(model, sgd(model), as_list(x, y, 4), callbacks=[Typo()])(1)
+    typo = [w for w in caught if "on_step_end" in str(w.message)]
+    assert typo and typo[0].filename == __file__, [w.filename for w in typo]  # shown at the learner's line
+
+
+def test_validation_of_a_regression_has_a_loss_and_no_accuracy():
+    x, _y = data(12)
+    model = nn.Sequential(nn.Linear(4, 1), nn.Flatten(0))
+    trainer = Trainer(model, sgd(model), nn.functional.mse_loss, as_list(x, x.sum(1), 4), device=CPU,
+                      val_loader=as_list(x, x.sum(1), 4))
+    trainer(1)
+    assert math.isfinite(trainer.logs[0]["val_loss"]) and "val_accuracy" not in trainer.logs[0]
+    with torch.no_grad():
+        expected = nn.functional.mse_loss(model(x), x.sum(1)).item()
+    assert trainer.evaluate(as_list(x, x.sum(1), 4)) == pytest.approx({"loss": expected, "accuracy": None})
