@@ -135,8 +135,7 @@ def code_units(cell_id: str, source: str) -> list[Unit]:
                                                                   brackets)
         if fstring_start is None and tok.type == tokenize.OP and tok.string in "([{":
             called = tok.string == "(" and re.match(r"[A-Za-z_]\w*$", before[-1]) and before[-1] != "print"
-            indexed = tok.string == "[" and (re.match(r"[A-Za-z_]\w*$", before[-1]) or before[-1] in ")]")
-            brackets.append((tok.string, bool(called or indexed)))
+            brackets.append((tok.string, bool(called)))
         elif fstring_start is None and tok.type == tokenize.OP and tok.string in ")]}" and brackets:
             brackets.pop()
         if tok.type in (tokenize.STRING, tokenize.COMMENT) or name == "FSTRING_START":
@@ -178,15 +177,17 @@ linear relu gelu silu tanh sigmoid weight bias torch nvidia triton bin backends 
 
 
 def _shown_word(literal: str, before: list[str], after: str, brackets: list[tuple[str, bool]]) -> bool:
-    """A single-word string literal in a position where it is shown rather than used: a value a function returns
-    or a variable holds, a dict key or list item, a branch of a conditional expression, an argument of print.
-    Not a keyword argument, an index, an argument of another call, an operand of a comparison, or an API word."""
+    """A single-word string literal that may be shown: a value a function returns or a variable holds, a dict key,
+    a list item, a branch of a conditional expression, an argument of print, and also the same word where the
+    notebook looks it up or compares with it (an index, an operand of ==), so that one translation serves all of
+    them (`check` requires the same translation of a word throughout a notebook). Not a keyword argument, an
+    argument of a call other than print, or an API word."""
     body = _string_body(literal)
     if not re.fullmatch(r"[A-Za-z][a-z]+", body) or body.lower() in API_WORDS or re.match(r"^[A-Za-z]*[bBrR]", literal):
         return False
-    if before[-1] in ("=", "==", "!=", "in", "is", "not", "+=") or after in ("==", "!=", "in", "not", "is", "="):
-        return before[-1] == "=" and not brackets and after in ("", "\n")  # `name = "word"` on its own line
-    return not (brackets and brackets[-1][1])
+    if before[-1] == "=" and brackets and brackets[-1][0] == "(":
+        return False  # a keyword argument's value
+    return not (brackets and brackets[-1][0] == "(" and brackets[-1][1])
 
 
 def _string_body(literal: str) -> str:
@@ -426,6 +427,7 @@ def check(notebooks: list[Path] | None = None, *, with_glossary: bool = True) ->
             continue
         entries = {(e.msgctxt, e.msgid): e for e in po if not e.obsolete}
         by_cell = {e.msgctxt: e for e in po if not e.obsolete and "kind: markdown" in e.comment}
+        words: dict[str, tuple[str, str]] = {}  # single-word string -> (first cell, its translation)
         for unit in notebook_units(nb):
             e = entries.get((unit.cell_id, unit.text))
             first = unit.text.strip().splitlines()[0][:70]
@@ -451,6 +453,12 @@ def check(notebooks: list[Path] | None = None, *, with_glossary: bool = True) ->
             why = _malformed(unit, e.msgstr)
             if why:
                 problems.append(Problem(name, unit.cell_id, "malformed", f"{unit.kind} {first!r}: {why}"))
+            if unit.kind == "string" and not _PROSE.search(_string_body(unit.text)):  # a single word: one rendering
+                other = words.setdefault(unit.text, (unit.cell_id, e.msgstr))
+                if other[1] != e.msgstr:
+                    problems.append(Problem(name, unit.cell_id, "malformed", f"{unit.text} is translated {e.msgstr} "
+                                            f"here but {other[1]} in cell {other[0]}: a word the notebook may look "
+                                            "up or compare needs one translation"))
             for term in glossary(unit.text, e.msgstr, rows):
                 problems.append(Problem(name, unit.cell_id, "glossary", f"{unit.kind} {first!r}: {term}"
                                         if ": refused" in term else f"{unit.kind} {first!r} uses {term!r} but the "
@@ -472,7 +480,9 @@ def module_catalog_path(module: Path) -> Path:
 
 # Data files whose texts are shown translated: which strings of them are messages.
 DATA_MESSAGES = {
-    "published_figures.json": lambda data: [f[k] for f in data["figures"] for k in ("quantity", "note") if f.get(k)],
+    "published_figures.json": lambda data: [f[k] for f in data["figures"] for k in ("quantity", "hardware", "note")
+                                            if f.get(k)] +
+    [s[k] for s in data["sources"].values() for k in ("publisher", "date_as_stated") if s.get(k)],
 }
 
 

@@ -19,11 +19,12 @@ says so in one line and `plot_label_language()` returns "en", so labels fall bac
 from __future__ import annotations
 
 import os
+import unicodedata
 from contextlib import contextmanager
 from functools import lru_cache
 from pathlib import Path
 
-__all__ = ["LANGUAGES", "N_", "_", "cjk_font", "get_language", "plot_label_language", "set_language",
+__all__ = ["LANGUAGES", "N_", "_", "cjk_font", "get_language", "pad", "plot_label_language", "set_language",
            "speaking"]
 
 LANGUAGES = ("en", "zh-CN")
@@ -154,3 +155,11 @@ def plot_label_language() -> str:
     if _language == "en" or cjk_font() is not None:
         return _language
     return "en"
+
+
+def pad(text: str, width: int, align: str = "<") -> str:
+    """`text` in `width` columns, a wide (Chinese) character counting as two: `f"{text:<width}"` (or `">"`, right-
+    aligned) for any language, so that a table's columns line up in the Chinese edition too."""
+    used = sum(2 if unicodedata.east_asian_width(c) in "WF" else 1 for c in text)
+    space = " " * max(width - used, 0)
+    return space + text if align == ">" else text + space

@@ -60,13 +60,18 @@ def load_published() -> dict:
 
 def published(section: str) -> list[dict]:
     """The published figures relevant to `section`, in file order, each a copy whose "source" (and
-    "also_sources") hold the source records themselves (title, url, publisher, date or retrieved, ...)."""
+    "also_sources") hold the source records themselves (title, url, publisher, date or retrieved, ...). Its texts
+    (quantity, hardware, note) are in the language set (`set_language`; published_figures.po); titles stay as
+    published."""
     data = _published_data()
     out = []
     for figure in data["figures"]:
         if section not in figure["sections"]:
             continue
         fig = copy.deepcopy(figure)
+        for key in ("quantity", "hardware", "note"):
+            if fig.get(key):
+                fig[key] = _(fig[key])
         fig["source"] = {"id": figure["source"], **data["sources"][figure["source"]]}
         fig["also_sources"] = [{"id": s, **data["sources"][s]} for s in figure.get("also_sources", [])]
         out.append(fig)
@@ -90,13 +95,13 @@ def describe_date(source: dict) -> str:
         return source["date"]
     if source.get("retrieved"):
         return _("retrieved {date}").format(date=source["retrieved"])
-    return source.get("date_as_stated", _("undated"))
+    return _(source["date_as_stated"]) if source.get("date_as_stated") else _("undated")
 
 
 def describe_source(source: dict) -> str:
     """'title; publisher, date: url' (no url for a source that has none, such as the seed article)."""
     where = f": {source['url']}" if source.get("url") else ""
-    return f"{source['title']}; {source['publisher']}, {describe_date(source)}{where}"
+    return f"{source['title']}; {_(source['publisher'])}, {describe_date(source)}{where}"
 
 
 def published_table(section: str) -> str:
@@ -119,10 +124,10 @@ def published_table(section: str) -> str:
     lines = []
     for fig, value in zip(figures, values):
         refs = " ".join(ref(s) for s in [fig["source"], *fig["also_sources"]])
-        row = f"  {value:>{width}}  {_(fig['quantity'])}; {fig['hardware']} {refs}"  # texts: published_figures.po
+        row = f"  {value:>{width}}  {fig['quantity']}; {fig['hardware']} {refs}"  # translated by published()
         lines += textwrap.wrap(row, _WIDTH, subsequent_indent=indent + "  ")
         if fig.get("note"):
-            lines += textwrap.wrap(_(fig["note"]), _WIDTH, initial_indent=indent + "  ",
+            lines += textwrap.wrap(fig["note"], _WIDTH, initial_indent=indent + "  ",
                                    subsequent_indent=indent + "  ")
     if any(f["kind"] == "vendor peak" for f in figures):
         if any(f["unit"] == "TFLOPS" for f in figures):

@@ -187,7 +187,8 @@ def test_an_edited_unit_keeps_its_old_translation_as_stale_until_reviewed(tmp_pa
     unit = units[len(units) // 2]
     cell = next(c for c in nb["cells"] if c["id"] == unit.cell_id)
     source = translate._source(cell)
-    edited = unit.text[:-1] + " now" + unit.text[-1] if kind == "string" else unit.text + " now"
+    closing = 3 if unit.text.endswith(('"""', "'''")) else 1  # before the closing quote(s)
+    edited = unit.text[:-closing] + " now" + unit.text[-closing:] if kind == "string" else unit.text + " now"
     cell["source"] = source[:unit.start] + edited + source[unit.end:] if kind != "markdown" else edited
     nb_path.write_text(json.dumps(nb), encoding="utf-8")
     old = next(e for e in translate.load_catalog(nb_path) if (e.msgctxt, e.msgid) == (unit.cell_id, unit.text))

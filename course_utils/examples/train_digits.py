@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import signal
 
 import torch
@@ -27,7 +28,7 @@ from torch import nn
 
 from course_utils.callbacks import Callback, Checkpoint
 from course_utils.data import TensorLoader, synthetic_digits
-from course_utils.i18n import _
+from course_utils.i18n import N_, _
 from course_utils.models import SimpleCNN
 from course_utils.trainer import Trainer
 
@@ -53,6 +54,16 @@ class KillAtStep(Callback):
             print(_("rank {rank}: killed (SIGKILL) after step {step}").format(
                 rank=trainer.process.rank, step=self.step), flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
+
+
+EPOCH_LINE = N_("epoch {epoch}: mean loss {loss:.6f}")
+
+
+def printed_losses(text: str) -> list[float]:
+    """The epochs' mean losses that `main` printed in `text`, in order, read in the language set (the lines are
+    EPOCH_LINE, translated)."""
+    template = re.escape(_(EPOCH_LINE)).replace(r"\{epoch\}", r"\d+").replace(r"\{loss:\.6f\}", r"([-\d.eE+]+|nan|inf)")
+    return [float(m.group(1)) for m in re.finditer(template, text)]
 
 
 def main(argv=None, callbacks=()) -> Trainer:
@@ -89,8 +100,8 @@ def main(argv=None, callbacks=()) -> Trainer:
                       accumulate=args.accumulate, callbacks=callbacks, resume=args.resume)
     world = trainer.process.world_size
     if trainer.is_main:
-        # Notebook 08 and the tests look for "2 process(es)", "global batch 64" and lines "epoch N: ... LOSS" (the loss
-        # last): the Chinese catalog keeps those words.
+        # Notebook 08 and the tests look for "2 process(es)" and "global batch 64" in this line (in the language
+        # set: the Chinese notebook's own literals are translated to match), and read the losses with printed_losses.
         print(_("{world} process(es) on {device}; global batch {global_batch}; {steps} steps an epoch per "
                 "process").format(world=world, device=trainer.device,
                                   global_batch=world * args.batch_size * args.accumulate,
@@ -98,7 +109,7 @@ def main(argv=None, callbacks=()) -> Trainer:
     losses = trainer(args.epochs - trainer.epoch)
     if trainer.is_main:
         for epoch, loss in enumerate(trainer.history, 1):
-            print(_("epoch {epoch}: mean loss {loss:.6f}").format(epoch=epoch, loss=loss), flush=True)
+            print(_(EPOCH_LINE).format(epoch=epoch, loss=loss), flush=True)
         if args.save_weights:
             torch.save(trainer.model.state_dict(), args.save_weights)
     del losses

@@ -9,13 +9,13 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from ..i18n import _
+from ..i18n import _, pad
 from .limit import limit_gpu_memory
 from .oom import free_memory, is_oom_error
 from ..amp import MixedPrecision
 from ..step import TrainStep
 from .simulated import SimulatedGPU, active_simulated_gpu, optimizer_params
-from .sizes import BytesLike, format_bytes, pad
+from .sizes import BytesLike, format_bytes
 
 
 # --- finding the largest batch that fits -------------------------------------------------------

@@ -8,10 +8,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..i18n import N_, _
+from ..i18n import N_, _, pad
 from ..errors import first_line
 from .simulated import AllocationTracker, StorageLedger, optimizer_params
-from .sizes import CUDA_BLOCK_BYTES, format_bytes, pad
+from .sizes import CUDA_BLOCK_BYTES, format_bytes
 
 
 # --- predicting memory ---------------------------------------------------------------------

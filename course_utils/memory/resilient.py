@@ -53,7 +53,15 @@ class _BufferGuard:
 
 class ResilientStepOutOfMemoryError(torch.OutOfMemoryError):
     """ResilientStep could not recover: even micro-batches of one sample do not fit, or the
-    optimizer step itself ran out of memory (smaller micro-batches cannot help there)."""
+    optimizer step itself ran out of memory (smaller micro-batches cannot help there).
+
+    `advice`: what ran out and what to do, in the learner's language; `error`: the first line of the original
+    out-of-memory error; `first_step`: True when the optimizer's first step ran out (when Adam creates its state),
+    False for a later optimizer step, None when the forward or backward pass did not fit."""
+
+    def __init__(self, advice: str, error: str = "", first_step: bool | None = None):
+        super().__init__(advice + (" " + _("Original error: {error}").format(error=error) if error else ""))
+        self.advice, self.error, self.first_step = advice, error, first_step
 
 
 class ResilientStep:
@@ -148,14 +156,15 @@ class ResilientStep:
                 if not is_oom_error(exc):
                     raise
                 if self.step.in_optimizer_step:
-                    raise ResilientStepOutOfMemoryError(self._step_oom_message(exc, first_step)) from None
+                    raise ResilientStepOutOfMemoryError(self._step_oom_message(first_step), first_line(exc),
+                                                        first_step) from None
                 if hasattr(self.step.model, "no_sync"):  # DistributedDataParallel: the ranks must agree
                     raise ResilientStepOutOfMemoryError(_(
                         "out of memory in a distributed run: every rank must split its batch the same way, and "
                         "the ranks cannot agree on a new split in the middle of a step (the others are already "
                         "waiting to exchange gradients). Stopping every rank instead of hanging: start again "
-                        "with a smaller per-rank batch_size and accumulate=k for the same global batch. "
-                        "Error: {error}").format(error=first_line(exc))) from None
+                        "with a smaller per-rank batch_size and accumulate=k for the same global batch."),
+                        first_line(exc)) from None
                 failure = first_line(exc)  # keep text only: the exception holds the tensors
             if failure is None:
                 self._clean_step(chunk)
@@ -174,8 +183,7 @@ class ResilientStep:
                 raise ResilientStepOutOfMemoryError(_(
                     "out of memory even with micro-batches of 1 sample: the model, its gradients and "
                     "optimizer state plus one sample's activations do not fit. Try mixed precision, "
-                    "activation checkpointing, a smaller model or a bigger GPU. Last error: {error}").format(
-                    error=failure))
+                    "activation checkpointing, a smaller model or a bigger GPU."), failure)
             self.micro_batch_size = (current + 1) // 2
             self.clean_steps = 0
 
@@ -186,12 +194,10 @@ class ResilientStep:
         if self.clean_steps >= self.regrow_after:  # try whole batches again
             self.micro_batch_size, self.clean_steps = None, 0
 
-    def _step_oom_message(self, exc: BaseException, first_step: bool) -> str:
+    def _step_oom_message(self, first_step: bool) -> str:
         opt = self.optimizer
         name = type(opt).__name__
         params = sum(p.numel() * p.element_size() for p in optimizer_params(opt))
-        # Notebook 05 looks for "first step", "foreach=False" and "Original error" in this message: the Chinese
-        # catalog keeps those words (in parentheses) for it.
         cause = _("out of memory in the optimizer step ({optimizer}). Smaller chunks cannot help: they only shrink "
                   "activations, not the parameters, gradients and optimizer state the step works on. ").format(
             optimizer=name)
@@ -206,8 +212,7 @@ class ResilientStep:
             cause += _("The optimizer's state already existed, so its temporaries did not fit: pass foreach=False "
                        "to the optimizer (the foreach implementation allocates temporaries for all parameters at "
                        "once), or free memory elsewhere. ")
-        return cause + _("Some parameters may already be updated. Original error: {error}").format(
-            error=first_line(exc))
+        return cause + _("Some parameters may already be updated.")
 
     def state_dict(self) -> dict:
         return {"micro_batch_size": self.micro_batch_size, "clean_steps": self.clean_steps,

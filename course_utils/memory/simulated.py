@@ -18,9 +18,9 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ..i18n import _
+from ..i18n import _, pad
 from ..step import optimizer_params
-from .sizes import CUDA_BLOCK_BYTES, BytesLike, _round_up, format_bytes, pad, parse_bytes
+from .sizes import CUDA_BLOCK_BYTES, BytesLike, _round_up, format_bytes, parse_bytes
 
 __all__ = [
     "AllocationTracker", "MemoryBreakdown", "PeakReading", "SimulatedGPU", "SimulatedOutOfMemoryError",
@@ -296,9 +296,10 @@ def _oom_message(grown: int, before: int, budget: int) -> str:
     That part stays in English in every language (it is PyTorch's text, and notebooks parse it); only the remark
     after it is translated, and it keeps its English start " (Simulated by", which notebook 05 looks for. (Built
     here, apart from the `raise`, so that a traceback's last frame shows the raise and nothing else.)"""
-    return (f"CUDA out of memory. Tried to allocate {format_bytes(grown)}. GPU 0 has a total capacity of "
-            f"{format_bytes(budget)} of which {format_bytes(max(budget - before, 0))} is free. "
-            f"Of the allocated memory {format_bytes(before)} is allocated by PyTorch, and 0 bytes is reserved by "
+    size = partial(format_bytes, english=True)
+    return (f"CUDA out of memory. Tried to allocate {size(grown)}. GPU 0 has a total capacity of "
+            f"{size(budget)} of which {size(max(budget - before, 0))} is free. "
+            f"Of the allocated memory {size(before)} is allocated by PyTorch, and 0 bytes is reserved by "
             "PyTorch but unallocated. "
             + _("(Simulated by course_utils.memory.SimulatedGPU on the CPU: no real GPU was involved.)"))
 

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import math
 import re
-import unicodedata
 from typing import Union
 
 from ..i18n import _
@@ -54,22 +53,16 @@ def parse_bytes(value: BytesLike) -> int:
     return n
 
 
-def format_bytes(n: float) -> str:
-    """CUDA's style: '512 bytes', '1.50 KiB', '20.00 MiB', '2.00 GiB'."""
+def format_bytes(n: float, *, english: bool = False) -> str:
+    """CUDA's style: '512 bytes', '1.50 KiB', '20.00 MiB', '2.00 GiB'. "bytes" is in the language set, unless
+    `english` (for a message worded as CUDA's, which stays in English and is parsed as such)."""
     if abs(n) < 1024:
-        return f"{int(n)} bytes"
+        return f"{int(n)} bytes" if english else _("{n} bytes").format(n=int(n))
     for unit in ("KiB", "MiB", "GiB"):
         n /= 1024
         if abs(n) < 1024:
             return f"{n:.2f} {unit}"
     return f"{n / 1024:.2f} TiB"
-
-
-def pad(text: str, width: int) -> str:
-    """`text` left-aligned in `width` columns, a wide (Chinese) character counting as two: `f"{text:<width}"` for
-    any language."""
-    used = sum(2 if unicodedata.east_asian_width(c) in "WF" else 1 for c in text)
-    return text + " " * max(width - used, 0)
 
 
 def _round_up(n: int, block: int) -> int:
