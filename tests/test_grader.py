@@ -4,9 +4,12 @@ tests/grader_submissions/ holds one small notebook per case (learner name = file
 with a folder of two notebooks): correct, incorrect and not attempted answers to exercises 01.1 and 01.4, and
 each hostile case: an endless loop, a memory bomb, deleting the grader's folders, killing the kernel, printing
 without end, redefining check(), outputs edited to read "[correct]", replacing the course's checkers,
-running the reference solution, and reaching a server on the grader's machine. One grading run of the whole folder (the real command, in a subprocess) is
-shared by the tests that read its report cells; a second run without namespaces checks the audit hook alone;
-a third grades the real solved notebook 01.
+running the reference solution, and reaching a server on the grader's machine; IPython hooks that stall the
+grader's cells (buys_time), a forged private checker (forges_private), and a notebook that looks for its classmates'
+work, the grader's folders, other kernels' connection files and the host's sockets, forks without end and leaves
+files in /tmp and /dev/shm (snoops). One grading run of the whole folder (the real command, in a subprocess) is
+shared by the tests that read its report cells; a second run without namespaces (--unsafe-no-sandbox) checks the
+audit hook alone; a third grades the real solved notebook 01.
 """
 import csv
 import hashlib
@@ -30,7 +33,9 @@ ROOT = Path(__file__).resolve().parents[1]
 SUBMISSIONS = Path(__file__).resolve().parent / "grader_submissions"
 # 10 s: a kernel start and `import torch` can take 5 s on a loaded 2-core machine, and the endless-output submission
 # must still reach the output cap before the time limit (with 6 s it once did not)
-LIMITS = ["--timeout", "10", "--output", "2M", "--file-size", "1M", "--memory", "5G"]
+LIMITS = ["--timeout", "10", "--output", "2M", "--file-size", "1M", "--memory", "5G", "--processes", "100"]
+SANDBOXED = grader.Sandbox.probe().complete  # else the grader refuses without --unsafe-no-sandbox
+LEAK = "course-grader-leak"  # what snoops.ipynb writes in /tmp and /dev/shm
 
 
 SECRET = "the instructor's secret line"
@@ -44,9 +49,10 @@ def _snapshot(folder: Path) -> dict:
     return {str(p.relative_to(folder)): digest(p) for p in sorted(folder.rglob("*"))}
 
 
-def _prepare(base: Path, shell: bool, port: int = 9) -> tuple[Path, Path]:
+def _prepare(base: Path, shell: bool, port: int = 9, sockets: tuple[str, str] = ("", "")) -> tuple[Path, Path]:
     """A copy of the submissions (plus an unreadable notebook) and a grader working directory, each with a
-    sentinel file; the deleting notebook aims at both, the network one at `port` on this machine."""
+    sentinel file; the deleting notebook aims at both, the network one at `port` on this machine, the snooping one
+    at both and at `sockets` (a unix socket's path, an abstract socket's name)."""
     subs, cwd = base / "submissions", base / "grader_cwd"
     shutil.copytree(SUBMISSIONS, subs, ignore=shutil.ignore_patterns("conftest.py", "__pycache__"))
     cwd.mkdir()
@@ -71,6 +77,12 @@ def _prepare(base: Path, shell: bool, port: int = 9) -> tuple[Path, Path]:
     for cell in nb.cells:
         cell.source = cell.source.replace("PORT = 9 ", f"PORT = {port} ")
     nbformat.write(nb, path)
+    path = subs / "snoops.ipynb"
+    nb = nbformat.read(path, as_version=4)
+    for name, value in (("SUBMISSIONS", subs), ("GRADER_CWD", cwd), ("HOST_SOCKET", sockets[0]),
+                        ("ABSTRACT_SOCKET", sockets[1])):
+        nb.cells[1].source = nb.cells[1].source.replace(f'{name} = ""', f"{name} = {str(value)!r}")
+    nbformat.write(nb, path)
     return subs, cwd
 
 
@@ -91,15 +103,30 @@ class _Cells(html.parser.HTMLParser):
 def graded(tmp_path_factory):
     base = tmp_path_factory.mktemp("grade")
     listener = socket.create_server(("127.0.0.1", 0))  # what the network notebook tries to reach
+    unix = socket.socket(socket.AF_UNIX)  # and the snooping one: a unix socket in a folder, an abstract one
+    unix.bind(str(base / "host.sock"))
+    abstract = socket.socket(socket.AF_UNIX)
+    abstract_name = f"course-grader-test-{os.getpid()}"
+    abstract.bind("\0" + abstract_name)
+    for s in (unix, abstract):
+        s.listen()
+    for leak in (Path("/tmp", LEAK), Path("/dev/shm", LEAK)):
+        leak.unlink(missing_ok=True)
     # Shell commands (rm -rf) escape the audit hook: only try them where the OS makes the file system read-only.
-    subs, cwd = _prepare(base, shell=grader.Sandbox.probe().mounts, port=listener.getsockname()[1])
+    subs, cwd = _prepare(base, shell=grader.Sandbox.probe().mounts, port=listener.getsockname()[1],
+                         sockets=(str(base / "host.sock"), abstract_name))
     before = {"subs": _snapshot(subs), "cwd": _snapshot(cwd)}
     try:
         run = subprocess.run([sys.executable, "-m", "course_tools.grade", str(subs), "--report",
-                              str(base / "report.html"), "--csv", str(base / "report.csv"), "--jobs", "2", *LIMITS],
+                              str(base / "report.html"), "--csv", str(base / "report.csv"), "--jobs", "2", *LIMITS,
+                              *([] if SANDBOXED else ["--unsafe-no-sandbox"])],
                              cwd=cwd, capture_output=True, text=True, timeout=300)
     finally:
-        listener.close()
+        for s in (listener, unix, abstract):
+            s.close()
+    leaks = [str(p) for p in (Path("/tmp", LEAK), Path("/dev/shm", LEAK)) if p.exists()]
+    for leak in leaks:
+        Path(leak).unlink()
     assert run.returncode == 0, run.stdout + run.stderr
     with open(base / "report.csv", newline="") as f:
         rows = {(r["learner"], r["exercise"]): r for r in csv.DictReader(f)}
@@ -107,7 +134,7 @@ def graded(tmp_path_factory):
     parser = _Cells()
     parser.feed(page)
     return {"run": run, "rows": rows, "html": page, "cells": parser.cells, "before": before, "subs": subs,
-            "cwd": cwd}
+            "cwd": cwd, "leaks": leaks}
 
 
 def _status(graded, learner, ex_id):
@@ -187,14 +214,16 @@ def test_endless_output_hits_the_output_cap(graded):
 
 def test_redefining_check_or_editing_outputs_or_the_checkers_changes_nothing(graded):
     for ex_id in ("01.1", "01.4"):
-        assert _status(graded, "redefines_check", ex_id)[0] == "not attempted"
-    assert "redefines check()" in _runs_cell(graded, "redefines_check")
+        status, _, flags, _ = _status(graded, "redefines_check", ex_id)
+        assert status == "not attempted"
+        assert "redefines check(): the grader does not use the notebook's check(): no effect" in flags
     status, feedback, _, _ = _status(graded, "edited_outputs", "01.1")
     assert status == "incorrect" and "factor is ignored" in feedback
     status, feedback, _, _ = _status(graded, "patches_checker", "01.1")
     assert status == "incorrect" and "factor is ignored" in feedback
-    notes = _runs_cell(graded, "patches_checker")
-    assert "replaced the checker of 01.1" in notes and "replaced course_utils.exercises.check or evaluate" in notes
+    flags = _status(graded, "patches_checker", "01.1")[2]
+    assert "replaced the checker of 01.1" in flags and "replaced course_utils.exercises.check or evaluate" in flags
+    assert "(ignored)" not in graded["html"]
 
 
 def test_using_the_reference_solution_is_flagged(graded):
@@ -248,6 +277,49 @@ def test_the_summary_counts_the_common_mistakes_and_the_report_lists_the_contain
     assert "correct: 2/2 correct" in graded["run"].stdout
 
 
+def test_hooks_that_stall_the_graders_cells_buy_no_time(graded):
+    # buys_time's IPython hooks sleep 20 s whenever the grader's turn comes (and then make its answer wrong): the
+    # grader's checks run none of them, they are removed and flagged, and the notebook's time stays within the limit
+    for ex_id in ("01.1", "01.4"):
+        status, _, flags, notebook = _status(graded, "buys_time", ex_id)
+        assert status == "correct" and notebook == "completed"
+        assert "installed IPython hooks (pre_execute, pre_run_cell, post_execute, post_run_cell, " \
+               "input_transformers_cleanup, input_transformers_post)" in flags and "no effect on the results" in flags
+    line = next(text for text in graded["run"].stdout.splitlines() if text.startswith("buys_time / "))
+    assert float(line.split(" in ")[1].split(" s ")[0]) <= 10, line
+    assert _status(graded, "correct", "01.1")[2] == ""  # an honest notebook is not flagged
+
+
+def test_a_forged_private_checker_gives_no_result(graded):
+    status, feedback, flags, _ = _status(graded, "forges_private", "01.1")
+    assert status == "not run" and "changed the grader's private copy of the checkers" in feedback
+    assert "changed the grader's private checker: no result" in flags
+
+
+@pytest.mark.skipif(not SANDBOXED, reason="needs mount, network and PID namespaces")
+def test_a_kernel_sees_nothing_of_its_classmates_the_grader_or_the_host(graded):
+    # snoops answers 01.1 right only if it reached none of: the class's notebooks, the grader's working directory,
+    # another kernel's connection file (--jobs 2), a unix socket of the host (a file, an abstract name), more than
+    # --processes processes; and what it wrote in /tmp and /dev/shm is gone after its run
+    assert "reached" not in _runs_cell(graded, "snoops")
+    assert _status(graded, "snoops", "01.1")[0] == "correct"
+    assert graded["leaks"] == []
+    page = graded["html"]
+    for item in ("Private /tmp, /var/tmp and /dev/shm", "Processes and threads per kernel: 100 (RLIMIT_NPROC)"):
+        assert page[:page.index(item)].rsplit("<li>", 1)[1].startswith('<span class="ok">applied'), item
+
+
+def test_without_namespaces_the_grader_refuses_unless_told(tmp_path, monkeypatch, capsys):
+    (tmp_path / "subs").mkdir()
+    shutil.copy(SUBMISSIONS / "correct.ipynb", tmp_path / "subs")
+    none = grader.Sandbox([], [], "disabled by the test")
+    monkeypatch.setattr(grader.Sandbox, "probe", classmethod(lambda cls: none))
+    with pytest.raises(grader.GradeError, match="--unsafe-no-sandbox"):
+        grader.grade(tmp_path / "subs")
+    assert cli([str(tmp_path / "subs")]) == 2
+    assert "cannot keep the learners' kernels apart" in capsys.readouterr().err
+
+
 def test_without_namespaces_the_audit_hook_still_protects_the_files(tmp_path, monkeypatch):
     subs, cwd = _prepare(tmp_path, shell=False)
     for path in subs.iterdir():
@@ -257,7 +329,7 @@ def test_without_namespaces_the_audit_hook_still_protects_the_files(tmp_path, mo
     monkeypatch.chdir(cwd)
     none = grader.Sandbox([], [], "disabled by the test")
     monkeypatch.setattr(grader.Sandbox, "probe", classmethod(lambda cls: none))
-    report = grader.grade(subs, grader.Limits(timeout=20, memory=5 * grader.GiB), jobs=2)
+    report = grader.grade(subs, grader.Limits(timeout=20, memory=5 * grader.GiB), jobs=2, unsafe_no_sandbox=True)
     assert _snapshot(subs) == before["subs"] and _snapshot(cwd) == before["cwd"]
     assert report.table["deletes_files"]["01.1"].status == "correct"
     assert report.table["correct"]["01.4"].status == "correct"
@@ -270,7 +342,7 @@ def test_the_real_solved_notebook_passes(tmp_path):
     teacher.mkdir(parents=True)
     nbformat.write(solve_notebook(nbformat.read(ROOT / "notebooks" / "01_callables.ipynb", as_version=4)),
                    teacher / "01_callables.ipynb")
-    report = grader.grade(tmp_path / "subs", grader.Limits(timeout=120))
+    report = grader.grade(tmp_path / "subs", grader.Limits(timeout=120), unsafe_no_sandbox=not SANDBOXED)
     row = report.table["teacher"]
     assert row and all(o.status == "correct" for o in row.values()), {k: (o.status, o.message) for k, o in row.items()}
     # The solved notebook is the reference solution: pasting it is flagged where it is long enough to tell.

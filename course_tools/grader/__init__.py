@@ -9,38 +9,27 @@ calls it contains.
 How a notebook is graded. It runs in its own kernel (nbclient), cell after cell, errors or not, like
 "Restart kernel and run all" that does not stop at an error. Before the learner's first cell the grader runs
 its own cell, which loads the course's checkers afresh under a private module name
-(`course_utils._grader_<random>`, not the `course_utils.exercises` the notebook imports). After each exercise
-cell the grader runs another cell of its own that calls that private checker on the learner's answer object
-(the name the cell hands to `check`, looked up in the kernel's namespace) and prints the result framed by a
-random token made for that one call; only that framed line counts. Outputs saved in the notebook are
-ignored, and so is whatever the notebook's own `check` prints: redefining `check`, replacing the course's
-checkers in `course_utils.exercises` or editing the saved outputs to show "[correct]" changes nothing (and is
-flagged).
+(`course_utils._grader_<random>`, not the `course_utils.exercises` the notebook imports) and registers a comm
+target. After each exercise cell the grader sends a comm message (IPython runs no event hook and no input
+transformer for one): the kernel resets the IPython hooks and transformers the notebook installed (flagged), calls
+the private checker on the learner's answer object (the name the cell hands to `check`, looked up in the kernel's
+namespace) and prints the result framed by a random token made for that one call; only that framed line counts.
+Outputs saved in the notebook are ignored, and so is whatever the notebook's own `check` prints. Every cell after
+the setup, the grader's checks included, counts against the time limit. Tampering the grader notices is flagged on
+every exercise of the notebook, with what it means for the result; a changed private checker gives "not run".
 
-Containment (each item is reported as applied or not, with the reason, in the report):
+Containment (each item is reported as applied or not, with the reason, in the report): one kernel per notebook in
+an empty working directory, a wall-clock time limit, an output cap, RLIMIT_AS / CPU / FSIZE / NPROC, and, where
+`unshare` may create mount, network and PID namespaces: no network, its own PID namespace, a private /tmp,
+/var/tmp and /dev/shm (one capped tmpfs holding the working directory), the submissions, the grader's folders and
+/run hidden, the rest read-only, no capabilities, and (as root) a uid of its own. Without those namespaces the
+grader refuses unless `unsafe_no_sandbox` (`--unsafe-no-sandbox`). Everywhere an audit hook refuses Python-level
+writes outside the working directory, and the submissions and the grader's folder are checked after each notebook.
 
-* one kernel process per notebook, in an empty temporary working directory (also its HOME and TMPDIR), with
-  a wall-clock time limit per notebook and a cap on the output it may send;
-* POSIX resource limits in the kernel process: address space (RLIMIT_AS), CPU seconds (RLIMIT_CPU), size of
-  any file written (RLIMIT_FSIZE), no core dumps;
-* on Linux, where `unshare` may create namespaces (as root, or unprivileged user namespaces): no network (a
-  new network namespace), its own PID namespace (it cannot see or signal the grader; when the kernel stops
-  everything it started stops too), and a mount namespace in which the whole file system is read-only except
-  the working directory (a size-capped tmpfs); the kernel runs without capabilities;
-* everywhere, an audit hook (`sys.addaudithook`, which cannot be removed) installed in the kernel before the
-  learner's code refuses Python-level writes, deletions and renames outside the working directory and
-  signals to the kernel's parent; and after every notebook the grader checks that the submissions folder
-  and its own working directory (unless that is a shared folder such as /tmp) are unchanged.
-
-What it cannot prevent: the learner's code runs in the same process as the checker, so code written to
-cheat on purpose can still win: it can find the grader's private checker through `sys.modules` or the
-garbage collector and replace it, patch `torch` functions the checkers rely on, install IPython input
-transformers that rewrite the grader's cells, or print a forged result once it has seen a token. The
-grader flags the usual shortcuts (calling `solution()`, exec'ing a reference solution's text, pasting it
-verbatim, redefining `check`, replacing the course's checkers) but does not prove their absence. Without
-namespaces (macOS, Windows, Linux without permission to create them) there is no network isolation and
-code that starts processes or uses ctypes escapes the audit hook; fork bombs and disk usage outside the
-tmpfs are not limited (use a container or a cgroup for that).
+What it cannot prevent (the threat model is a learner who writes Python, not a kernel exploit): the learner's code
+runs in the same process as the checker, so code written to cheat on purpose can still forge a result unnoticed:
+replace the grader's objects or the json encoder, patch `torch` functions the checkers rely on, or read the
+token and print a framed line of its own. INSTRUCTORS.md lists what is prevented, detected and not.
 
 The modules, each depending only on those after it: `cli` (the command line), `run` (`grade()`: the grading run
 of each notebook), `submissions` (which files are the learners' notebooks, read safely: regular files only, no link

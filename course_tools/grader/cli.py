@@ -9,6 +9,7 @@ from pathlib import Path
 from .limits import GiB, MiB, GradeError, Limits, parse_size
 from .results import RANK, NotebookRun
 from .run import grade
+from .sandbox import Sandbox
 
 
 def add_arguments(parser) -> None:
@@ -41,7 +42,12 @@ def add_arguments(parser) -> None:
     parser.add_argument("--disk", type=size, default=1 * GiB, help="size of the working directory's tmpfs where "
                                                                    "the sandbox has one (default 1G)")
     parser.add_argument("--jobs", type=int, default=1, help="notebooks graded at the same time (default 1)")
+    parser.add_argument("--processes", type=int, default=1024, help="processes and threads per kernel "
+                                                                    "(RLIMIT_NPROC, default 1024)")
     parser.add_argument("--gpu", action="store_true", help="let the notebooks use the GPU (no memory limit then)")
+    parser.add_argument("--unsafe-no-sandbox", action="store_true",
+                        help="grade even where the kernels cannot be kept apart (no mount, network and PID "
+                             "namespaces): only for a class whose code you trust")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -64,15 +70,21 @@ def main(argv: list[str] | None = None) -> int:
         counts = {s: sum(o.status == s for o in run.outcomes.values()) for s in RANK}
         done = ", ".join(f"{n} {s}" for s, n in counts.items() if n)
         detail = f" ({run.detail})" if run.detail else ""
-        print(f"{run.learner} / {run.name}: {run.status}{detail} in {run.seconds:.1f} s; {done or 'no exercises'}",
-              flush=True)
+        print(f"{run.learner} / {run.name}: {run.status}{detail} in {run.counted:.1f} s ({run.seconds:.1f} s with "
+              f"the kernel's start); {done or 'no exercises'}", flush=True)
         for alert in run.alerts:
             print(f"  WARNING: {alert}", flush=True)
 
     try:
         limits = Limits(timeout=args.timeout, memory=args.memory, cpu=args.cpu, output=args.output,
-                        file_size=args.file_size, disk=args.disk, gpu=args.gpu)
-        report = grade(args.submissions, limits, jobs=args.jobs, progress=progress)
+                        file_size=args.file_size, disk=args.disk, gpu=args.gpu, processes=args.processes)
+        sandbox = Sandbox.probe()
+        if not sandbox.complete and args.unsafe_no_sandbox:
+            print(f"grade: WARNING: NO SANDBOX ({sandbox.why_not or 'only ' + ', '.join(sandbox.namespaces)}): "
+                  "the notebooks can read and change each other's work, reach the network and stop the grader; "
+                  "the results are only as trustworthy as the class", file=sys.stderr, flush=True)
+        report = grade(args.submissions, limits, jobs=args.jobs, progress=progress,
+                       unsafe_no_sandbox=args.unsafe_no_sandbox)
     except GradeError as exc:
         print(f"grade: error: {exc}", file=sys.stderr)
         return 2

@@ -1,15 +1,18 @@
-"""The grader's own cells, run in the learner's kernel (never the learner's code).
+"""The grader's own code in the learner's kernel (never the learner's code).
 
-SETUP, the first cell, loads the course's checkers afresh under a private module name, records calls of
-`solution()`, installs the audit hook (it refuses writes outside the working directory and signals to the grader,
-and notes the reference solutions' text run through exec/compile) and leaves a `Grader` in the private module.
-EVAL, after each exercise cell, checks the answer with it and prints the result, flags and signs of tampering as
-one line framed by a token made for that call. Both are %-templates: `SETUP % {"args": json.dumps({...})}`,
-`EVAL % {"private": ..., "id": ..., "answer": ..., "token": ...}`.
+SETUP, the first cell (run before any of the learner's code), loads the course's checkers afresh under a private
+module name, records calls of `solution()`, installs the audit hook (it refuses writes outside the working directory
+and signals to the grader, and notes the reference solutions' text run through exec/compile), takes note of the
+kernel's IPython hooks as they are, and registers a comm target. After each exercise cell the grader opens a comm
+to that target instead of running a cell: IPython runs no event hook and no input transformer for a comm message.
+The handler first resets the IPython hooks and input transformers to what SETUP saw (what it removes is reported
+as tampering), then checks the answer and prints the result, flags and signs of tampering as one line framed by a
+token made for that call. SETUP is a %-template: `SETUP % {"args": json.dumps({...})}`; a check's comm data is
+`{"id": ..., "answer": ..., "token": ...}`.
 """
 
 SETUP = r'''
-def __course_grader_setup(private, exercises_dir, course_dir, workdir, solutions, token, grader_pid):
+def __course_grader_setup(private, target, exercises_dir, course_dir, workdir, solutions, token, grader_pid):
     import functools, importlib.util, json, os, sys, tempfile
     shell = get_ipython()
     spec = importlib.util.spec_from_file_location(private, os.path.join(exercises_dir, "__init__.py"),
@@ -91,11 +94,69 @@ def __course_grader_setup(private, exercises_dir, course_dir, workdir, solutions
 
     sys.addaudithook(guard)
 
+    # IPython's hooks as they are before the learner's first cell; extensions an honest notebook loads (inline
+    # figures, autoreload) are kept, anything else added later is removed before each check and reported.
+    events = shell.events
+    callbacks = {name: list(cbs) for name, cbs in events.callbacks.items()}
+    transformer_lists = {name: (getattr(shell, name), list(getattr(shell, name)))
+                         for name in ("input_transformers_cleanup", "input_transformers_post", "ast_transformers")}
+    benign = ("matplotlib", "matplotlib_inline", "IPython.extensions.autoreload")
+
+    def is_benign(hook):
+        module = str(getattr(hook, "__module__", None) or getattr(type(hook), "__module__", ""))
+        return any(module == b or module.startswith(b + ".") for b in benign)
+
+    def reset_hooks():
+        found = []
+        if shell.events is not events:
+            shell.events = events
+            found.append("IPython's event manager")
+        for name, cbs in list(events.callbacks.items()):
+            added = [cb for cb in cbs if not any(cb is c for c in callbacks.get(name, []))]
+            kept = [cb for cb in added if is_benign(cb)]
+            if len(kept) < len(added) or len(cbs) - len(added) != len(callbacks.get(name, [])):
+                found.append(name)
+            cbs[:] = callbacks.get(name, []) + kept
+        for name, (original, contents) in transformer_lists.items():
+            current = getattr(shell, name)
+            if current is not original or [id(t) for t in current] != [id(t) for t in contents]:
+                found.append(name)
+                try:
+                    setattr(shell, name, original)
+                except Exception:
+                    pass
+                original[:] = contents
+        return found
+
+    # The private copy of the checkers, as loaded: a check that finds it changed gives no result.
+    private_core = sys.modules[private + ".core"]
+    pristine = {k: (ex, ex.checker, getattr(ex.checker, "__code__", None)) for k, ex in registry.items()}
+    evaluate_code = evaluate.__code__
+
+    def private_copy_changed(exercise_id):
+        ex, checker, code = pristine.get(exercise_id, (None, None, None))
+        return (sys.modules.get(private) is not pkg or sys.modules.get(private + ".core") is not private_core
+                or evaluate.__code__ is not evaluate_code or private_core.REGISTRY.get(exercise_id) is not ex
+                or ex.checker is not checker or getattr(checker, "__code__", None) is not code)
+
+    seen_hooks = []
+
     class Grader:
         def evaluate(self, exercise_id, answer_name, token):
+            for hook in reset_hooks():
+                if hook not in seen_hooks:
+                    seen_hooks.append(hook)
             ns = shell.user_ns
+            tamper = []
+            if seen_hooks:
+                tamper.append("installed IPython hooks (" + ", ".join(seen_hooks) + "): removed before each of the "
+                              "grader's checks, which never run them; their time in the notebook's own cells counts "
+                              "against the time limit: no effect on the results")
             try:
-                if answer_name in ns:
+                if private_copy_changed(exercise_id):
+                    status, message = "interfered", ("the notebook's code changed the grader's private copy of the "
+                                                     "checkers, so this answer could not be checked")
+                elif answer_name in ns:
                     result = evaluate(exercise_id, ns[answer_name])
                     status, message = result.status, result.message
                 else:
@@ -108,26 +169,33 @@ def __course_grader_setup(private, exercises_dir, course_dir, workdir, solutions
                 flags.append(f"called solution({exercise_id!r})")
             if exercise_id in executed:
                 flags.append("ran the reference solution's text through exec/compile")
-            tamper = []
             if "check" in ns and ns["check"] is not original_check:
-                tamper.append("redefines check() (ignored: the grader checks with its own copy of the checkers)")
+                tamper.append("redefines check(): the grader does not use the notebook's check(): no effect on the "
+                              "results")
             if public.check is not original_check or public_core.evaluate is not original_evaluate:
-                tamper.append("replaced course_utils.exercises.check or evaluate (ignored)")
+                tamper.append("replaced course_utils.exercises.check or evaluate: the grader does not use them: no "
+                              "effect on the results")
             if sys.modules.get("course_utils.exercises") is not public:
-                tamper.append("replaced the module course_utils.exercises in sys.modules (ignored)")
+                tamper.append("replaced the module course_utils.exercises in sys.modules: the grader does not use "
+                              "it: no effect on the results")
             mine, theirs = registry.get(exercise_id), public_core.REGISTRY.get(exercise_id)
             if theirs is not None and mine is not None and getattr(theirs.checker, "__code__", None) != mine.checker.__code__:
-                tamper.append(f"replaced the checker of {exercise_id} in course_utils.exercises (ignored)")
+                tamper.append(f"replaced the checker of {exercise_id} in course_utils.exercises: the grader does not "
+                              "use it: no effect on the results")
             out.write(token + " " + dumps({"token": token, "id": exercise_id, "status": status, "message": message,
                                            "flags": flags, "tamper": tamper}) + "\n")
             out.flush()
 
-    pkg.__grader__ = Grader()
+    pkg.__grader__ = grader = Grader()
+
+    def on_check(comm, msg):  # a comm message: no IPython hook or input transformer runs for it
+        data = msg["content"]["data"]
+        grader.evaluate(data["id"], data["answer"], data["token"])
+
+    shell.kernel.comm_manager.register_target(target, on_check)
     out.write(token + " " + dumps({"token": token, "ready": True}) + "\n")
     out.flush()
 
 __course_grader_setup(**__import__("json").loads(%(args)r))
 del __course_grader_setup
 '''
-
-EVAL = '__import__("sys").modules[%(private)r].__grader__.evaluate(%(id)r, %(answer)r, %(token)r)\n'

@@ -30,11 +30,13 @@ class Limits:
     """What one notebook may use. `cpu` defaults to twice the time limit (the kernel's threads add up)."""
 
     def __init__(self, timeout: float = 300, memory: int | None = 8 * GiB, cpu: int | None = None,
-                 output: int = 10 * MiB, file_size: int = 256 * MiB, disk: int = 1 * GiB, gpu: bool = False):
+                 output: int = 10 * MiB, file_size: int = 256 * MiB, disk: int = 1 * GiB, gpu: bool = False,
+                 processes: int = 1024):
         if timeout <= 0:
             raise GradeError(f"the time limit must be positive, got {timeout}")
         self.timeout, self.memory, self.output, self.file_size, self.disk, self.gpu = (
             float(timeout), memory, int(output), int(file_size), int(disk), gpu)
+        self.processes = int(processes)  # RLIMIT_NPROC: threads count too (torch starts one per core)
         self.cpu = int(cpu) if cpu else int(max(10, 2 * timeout))
         if self.gpu:
             self.memory = None  # CUDA reserves far more address space than any useful RLIMIT_AS

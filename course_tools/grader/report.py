@@ -61,7 +61,7 @@ class ClassReport:
             return True, ""
 
         items = [(True, "Own kernel process per notebook, empty temporary working directory (also HOME and TMPDIR)",
-                  "each notebook runs in a fresh kernel; nothing is shared between learners"),
+                  "each notebook runs in a fresh kernel"),
                  (True, f"Time limit: {limits.timeout:g} s of wall-clock time per notebook",
                   "the grader stops the kernel when it is reached"),
                  (True, f"Output cap: {format_size(limits.output)} of output per notebook",
@@ -79,14 +79,33 @@ class ClassReport:
         items.append((ok, f"Largest file a notebook may write: {format_size(limits.file_size)} (RLIMIT_FSIZE)", why))
         items.append(("net" in sb.namespaces, "No network (a new network namespace, `unshare --net`)",
                       "" if "net" in sb.namespaces else f"not isolated: {sb.why_not}"))
-        items.append(("pid" in sb.namespaces, "Own PID namespace: cannot see or signal the grader; all its "
-                                              "processes stop with it",
-                      "" if "pid" in sb.namespaces else f"not applied: {sb.why_not}; the audit hook refuses "
-                                                         "os.kill of the kernel's parent"))
+        items.append(("pid" in sb.namespaces, "Own PID namespace: cannot see or signal the grader or the other "
+                                              "kernels; all its processes stop with it",
+                      "" if "pid" in sb.namespaces else f"not applied: {sb.why_not}; a notebook can signal the "
+                                                         "grader and the other kernels"))
+
+        def applied(name):
+            why = [m[1] for s in statuses for m in s.get("missing", []) if m[0] == name]
+            if why or not statuses or any(name not in s.get("applied", []) for s in statuses):
+                return False, "not applied: " + (why[0] if why else sb.why_not or "no mount namespace")
+            partly = [m[1] for s in statuses for m in s.get("missing", []) if m[0] == name + " (partly)"]
+            return True, f"partly: {partly[0]} (it holds Python or the course)" if partly else ""
+
+        ok, why = applied("private folders")
+        items.append((ok, f"Private /tmp, /var/tmp and /dev/shm (one {format_size(limits.disk)} tmpfs that holds the "
+                          "working directory, gone after the run); the submissions, the grader's working directory "
+                          "and temporary folder and the host's sockets in /run hidden", why))
+        ok, why = applied("own uid")
+        nproc_ok, nproc_why = rlimit("NPROC")
+        if nproc_ok and not all(s.get("nproc_binds") for s in statuses):
+            nproc_ok, nproc_why = False, "it does not bind a kernel that runs as root (no uid of its own)"
+        items.append((ok, "A uid of its own per kernel (as root): cannot signal, read or write what belongs to "
+                          "another", why))
+        items.append((nproc_ok, f"Processes and threads per kernel: {limits.processes} (RLIMIT_NPROC)", nproc_why))
         fs_missing = [m[1] for s in statuses for m in s.get("missing", []) if m[0] == "filesystem"]
         fs_ok = sb.mounts and bool(statuses) and not fs_missing
-        items.append((fs_ok, f"Read-only file system except the working directory (a {format_size(limits.disk)} "
-                             "tmpfs), kernel without capabilities",
+        items.append((fs_ok, "Read-only file system except the kernel's own /tmp, /var/tmp and /dev/shm, kernel "
+                             "without capabilities",
                       "" if fs_ok else "not applied: " + (fs_missing[0] if fs_missing else sb.why_not or
                                                          "no mount namespace") +
                       "; only the audit hook refuses Python-level writes outside the working directory"))
@@ -152,7 +171,9 @@ td .fb {{ font-size: 0.8em; max-width: 22em; }} .flag {{ font-size: 0.8em; color
 <h1>Grades: {escape(str(self.root))}</h1>
 <p>{len(self.learners)} learners, {len(self.exercises)} exercises; graded {escape(self.generated)} with
 <code>python -m course_tools.grade</code>. Every result comes from the course's own checker, run by the
-grader in the learner's kernel after the learner's cell; the notebooks' saved outputs are ignored.</p>
+grader in the learner's kernel after the learner's cell; the notebooks' saved outputs are ignored. The checker runs
+in the same process as the learner's code: flags (⚑) say what the grader noticed and what it means for the
+result; INSTRUCTORS.md lists what it cannot notice.</p>
 <h2>Containment</h2><ul>"""]
         for ok, what, detail in self.containment():
             mark = '<span class="ok">applied</span>' if ok else '<span class="no">NOT applied</span>'
@@ -174,7 +195,7 @@ grader in the learner's kernel after the learner's cell; the notebooks' saved ou
             cells = []
             for r in self.runs[learner]:
                 text = f"{escape(r.name)}: {escape(r.status)}" + (f" ({escape(r.detail)})" if r.detail else "")
-                text += f", {r.seconds:.1f} s"
+                text += f", {r.counted:.1f} s ({r.seconds:.1f} s with the kernel's start)"
                 text += "".join(f'<div class="alert">\u26a0 {escape(a)}</div>' for a in r.alerts)
                 text += "".join(f'<div class="flag">{escape(n)}</div>' for n in r.notes)
                 cells.append(f"<div>{text}</div>")

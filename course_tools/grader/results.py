@@ -22,6 +22,7 @@ class NotebookRun:
     def __init__(self, learner: str, path, name: str):
         self.learner, self.path, self.name = learner, path, name
         self.status, self.detail, self.seconds = "completed", "", 0.0
+        self.counted = 0.0             # the seconds counted against the time limit (all but the kernel's start)
         self.outcomes: dict[str, Outcome] = {}
         self.notes: list[str] = []
         self.alerts: list[str] = []    # tampering with files outside the working directory

@@ -9,6 +9,7 @@ from __future__ import annotations
 import ast
 import json
 import os
+import queue
 import re
 import secrets
 import shutil
@@ -21,6 +22,7 @@ from pathlib import Path
 
 import nbformat
 from jupyter_client.manager import AsyncKernelManager
+from jupyter_core.utils import run_sync
 from nbclient import NotebookClient
 from nbclient.exceptions import CellTimeoutError, DeadKernelError
 
@@ -28,7 +30,7 @@ import course_utils.exercises as exercises
 
 from ..solve import exercise_cells
 from . import kernel
-from .limits import Limits, format_size
+from .limits import GradeError, Limits, format_size
 from .report import ClassReport
 from .results import INCORRECT, NOT_RUN, RANK, NotebookRun, Outcome
 from .sandbox import Sandbox
@@ -37,6 +39,12 @@ from .submissions import Unreadable, find_submissions, read_notebook
 # The checkers the grader loads afresh in each kernel, and the course's folder (code compiled from there is its own).
 EXERCISES_DIR = os.path.dirname(os.path.abspath(exercises.__file__))
 COURSE_DIR = os.path.dirname(EXERCISES_DIR) + os.sep
+# What a kernel needs to see (Python, its packages, the course, the launcher): a folder holding one is never hidden.
+NEEDED = sorted({os.path.realpath(p) for p in (sys.prefix, sys.base_prefix, os.path.dirname(sys.executable),
+                                               os.path.dirname(COURSE_DIR.rstrip(os.sep)), os.path.dirname(__file__),
+                                               *os.environ.get("PYTHONPATH", "").split(os.pathsep)) if p})
+# Where the root grader's kernels get a uid of their own (random in [2e9, 3e9), used by no account).
+_KERNEL_UIDS = 2_000_000_000
 
 
 class _SetupFailed(Exception):
@@ -118,7 +126,7 @@ def _kernel_env(work: str, limits: Limits) -> dict:
                IPYTHONDIR=os.path.join(work, ".ipython"), JUPYTER_CONFIG_DIR=os.path.join(work, ".jupyter"),
                JUPYTER_RUNTIME_DIR=os.path.join(work, ".jupyter-runtime"), TORCH_HOME=os.path.join(work, ".torch"),
                PYTHONDONTWRITEBYTECODE="1", MALLOC_ARENA_MAX="2", PYDEVD_DISABLE_FILE_VALIDATION="1",
-               PYTHONUNBUFFERED="1")
+               PYTHONUNBUFFERED="1", USER="learner", LOGNAME="learner")
     if not limits.gpu:
         env.update(CUDA_VISIBLE_DEVICES="", COURSE_DEVICE="cpu")
     return env
@@ -152,9 +160,10 @@ def _exit_reason(code, limits: Limits) -> str:
 class _Grading:
     """Grade one notebook. Call run(); the result is self.result (a NotebookRun)."""
 
-    def __init__(self, learner: str, path, name: str, registry: dict, limits: Limits, sandbox: Sandbox):
+    def __init__(self, learner: str, path, name: str, registry: dict, limits: Limits, sandbox: Sandbox,
+                 hide: list[str] = ()):
         self.result = NotebookRun(learner, path, name)
-        self.registry, self.limits, self.sandbox = registry, limits, sandbox
+        self.registry, self.limits, self.sandbox, self.hide = registry, limits, sandbox, list(hide)
 
     # --- the notebook, with the grader's cells added -----------------------------------------------------------
 
@@ -185,10 +194,11 @@ class _Grading:
                 if text and text in nb.cells[i].source:
                     self.flags[ex_id].append("the cell contains the reference solution verbatim")
         self.private = f"course_utils._grader_{secrets.token_hex(8)}"
+        self.target = f"course_grader_{secrets.token_hex(8)}"  # the comm target of the grader's checks
         run = nbformat.v4.new_notebook(metadata=nb.metadata)
         token = secrets.token_hex(16)
-        setup = {"private": self.private, "exercises_dir": EXERCISES_DIR, "course_dir": COURSE_DIR,
-                 "workdir": self.work, "token": token, "grader_pid": os.getpid(),
+        setup = {"private": self.private, "target": self.target, "exercises_dir": EXERCISES_DIR,
+                 "course_dir": COURSE_DIR, "workdir": self.work, "token": token, "grader_pid": os.getpid(),
                  "solutions": {k: ex.solution.strip() for k, ex in self.registry.items() if ex.solution.strip()}}
         run.cells.append(self._grader_cell(kernel.SETUP % {"args": json.dumps(setup)}, kind="setup", token=token))
         for i, cell in enumerate(nb.cells):
@@ -197,12 +207,10 @@ class _Grading:
             cell = nbformat.v4.new_code_cell(cell.source)  # the learner's code, without its saved outputs/tags
             cell.metadata["grader"] = {"kind": "learner", "index": i}
             run.cells.append(cell)
-            for ex_id in ex_cells.get(i, []):
-                token = secrets.token_hex(16)
-                source = kernel.EVAL % {"private": self.private, "id": ex_id,
-                                        "answer": _answer_name(nb.cells[i].source, ex_id,
-                                                               self.registry[ex_id].answer), "token": token}
-                run.cells.append(self._grader_cell(source, kind="eval", token=token, id=ex_id, index=i))
+            for ex_id in ex_cells.get(i, []):  # sent as a comm message, not run as a cell (kernel.py)
+                answer = _answer_name(nb.cells[i].source, ex_id, self.registry[ex_id].answer)
+                run.cells.append(self._grader_cell(f"# the grader checks {ex_id} ({answer})", kind="eval",
+                                                   token=secrets.token_hex(16), id=ex_id, index=i, answer=answer))
         self.total_cells = len(nb.cells)
         return run
 
@@ -216,9 +224,10 @@ class _Grading:
 
     def run(self) -> NotebookRun:
         start = time.monotonic()
-        # Unix socket paths are limited to about 100 bytes: keep the folder's path short.
-        short = os.name == "posix" and len(tempfile.gettempdir()) > 40 and os.path.isdir("/tmp")
-        base = tempfile.mkdtemp(prefix="course-grade-", dir="/tmp" if short else None)
+        # Under /tmp where there is one: unix socket paths are limited to about 100 bytes, and the sandbox gives each
+        # kernel a /tmp of its own (sandbox.py).
+        base = tempfile.mkdtemp(prefix="course-grade-", dir="/tmp" if os.name == "posix" and os.path.isdir("/tmp")
+                                else None)
         self.ipc, self.work = os.path.join(base, "ipc"), os.path.join(base, "work")
         os.makedirs(self.ipc)
         os.makedirs(self.work)
@@ -271,15 +280,12 @@ class _Grading:
                 return super().output(outs, msg, display_id, cell_index)
 
         self.output_bytes, self.over_cap, self.printed_solutions = 0, False, set()
-        self.spent, self.process = 0.0, None
+        self.spent, self.process, self.tamper, self.out_of_time = 0.0, None, [], False
 
         def timeout_for(cell):
-            meta = cell.metadata["grader"]
-            if meta["kind"] == "learner":
+            if cell.metadata["grader"]["kind"] == "learner":
                 return max(1, int(limits.timeout - self.spent + 0.999))
-            if meta["kind"] == "eval":
-                return int(self.registry[meta["id"]].timeout) + 30
-            return 180
+            return 180  # the setup, before any of the learner's code
 
         def on_executed(cell, cell_index, execute_reply):
             content = (execute_reply or {}).get("content", {})
@@ -311,16 +317,23 @@ class _Grading:
                 self.process = getattr(km.provisioner, "process", None)
                 self._read_sandbox_status()
                 try:
+                    # Every cell after the setup counts against the time limit, the grader's checks included.
                     for index, cell in enumerate(run_nb.cells):
                         meta = cell.metadata["grader"]
                         stopped_in = meta
-                        if meta["kind"] == "learner" and self.spent >= limits.timeout:
+                        if meta["kind"] != "setup" and self.spent >= limits.timeout:
+                            self.out_of_time = True
                             raise CellTimeoutError("the notebook's time is used up")
                         began = time.monotonic()
-                        client.execute_cell(cell, index, store_history=meta["kind"] == "learner")
-                        if meta["kind"] == "learner":
-                            self.spent += time.monotonic() - began
-                        else:
+                        try:
+                            if meta["kind"] == "eval":
+                                run_sync(self._check)(client, cell, meta)
+                            else:
+                                client.execute_cell(cell, index, store_history=meta["kind"] == "learner")
+                        finally:
+                            if meta["kind"] != "setup":
+                                self.spent += time.monotonic() - began
+                        if meta["kind"] != "learner":
                             self._collect(cell, meta)
                     stopped_in = None
                 finally:
@@ -345,7 +358,9 @@ class _Grading:
                               f"the grader could not run it: {type(exc).__name__}: {exc}" + (f" ({log})" if log else ""))
         finally:
             os.close(lock)
+        self.result.counted = self.spent
         self.result.notes[:0] = self.errors
+        tamper = list(dict.fromkeys(self.tamper))
         for ex_id in self.exercises:
             if ex_id not in self.result.outcomes:
                 self.result.outcomes[ex_id] = Outcome(NOT_RUN, f"not checked: {self.result.detail}",
@@ -355,7 +370,44 @@ class _Grading:
                 outcome.flags = [f for f in outcome.flags if f != f"called solution({ex_id!r})"]
             outcome.flags = list(dict.fromkeys(self.flags[ex_id] + outcome.flags + (
                 [f"printed the reference solution of {ex_id} (solution())"] if ex_id in self.printed_solutions
-                else [])))
+                else []) + tamper))
+
+    async def _check(self, client, cell, meta) -> None:
+        """Ask the kernel to check one exercise through a comm message (no IPython hook runs for it) and keep its
+        printed output in `cell.outputs`. Its time limit is the check's own plus 30 s, within the notebook's."""
+        kc, limits = client.kc, self.limits
+        own = self.registry[meta["id"]].timeout + 30
+        left = limits.timeout - self.spent
+        self.out_of_time = left <= own
+        deadline = time.monotonic() + min(own, left)
+        msg = kc.session.msg("comm_open", {"comm_id": secrets.token_hex(16), "target_name": self.target,
+                                           "data": {"id": meta["id"], "answer": meta["answer"],
+                                                    "token": meta["token"]}})
+        kc.shell_channel.send(msg)
+        parent, text = msg["header"]["msg_id"], []
+        while True:
+            wait = deadline - time.monotonic()
+            if wait <= 0:
+                raise CellTimeoutError(f"the check of {meta['id']} did not finish")
+            try:
+                reply = await kc.get_iopub_msg(timeout=min(wait, 1))
+            except queue.Empty:
+                if not await client.km.is_alive():
+                    raise DeadKernelError("the kernel died during a check") from None
+                continue
+            if reply["parent_header"].get("msg_id") != parent:
+                continue
+            self.output_bytes += _message_size(reply)
+            if self.output_bytes > limits.output:
+                self.over_cap = True
+                self._kill()
+                raise DeadKernelError("output cap")
+            content = reply["content"]
+            if reply["msg_type"] == "stream" and content.get("name") == "stdout":
+                text.append(content.get("text", ""))
+            elif reply["msg_type"] == "status" and content.get("execution_state") == "idle":
+                break
+        cell.outputs = [nbformat.v4.new_output("stream", name="stdout", text="".join(text))]
 
     def _kernel_cmd(self, extra: list[str]) -> list[str]:
         # Output written straight to the process's stdout/stderr (os.write, C extensions, subprocesses) goes to a
@@ -364,13 +416,14 @@ class _Grading:
                "--IPKernelApp.capture_fd_output=False", *extra]
         if os.name != "posix":
             return cmd
-        rlimits = {"FSIZE": self.limits.file_size, "CPU": self.limits.cpu, "CORE": 0}
+        rlimits = {"FSIZE": self.limits.file_size, "CPU": self.limits.cpu, "CORE": 0, "NPROC": self.limits.processes}
         if self.limits.memory:
             rlimits["AS"] = self.limits.memory
         config = {"work": self.work, "ipc": self.ipc, "lock": os.path.join(self.ipc, "grader.lock"),
                   "log": os.path.join(self.ipc, "kernel.log"), "status": os.path.join(self.ipc, "sandbox.json"),
-                  "protect_fs": self.sandbox.mounts, "disk": self.limits.disk, "rlimits": rlimits,
-                  "env": _kernel_env(self.work, self.limits)}
+                  "connection": os.path.join(self.ipc, "kernel.json"), "protect_fs": self.sandbox.mounts,
+                  "disk": self.limits.disk, "rlimits": rlimits, "env": _kernel_env(self.work, self.limits),
+                  "hide": self.hide, "needed": NEEDED, "uid": _KERNEL_UIDS + secrets.randbelow(10 ** 9)}
         config_path = os.path.join(self.ipc, "sandbox-config.json")
         with open(config_path, "w") as f:
             json.dump(config, f)
@@ -420,7 +473,7 @@ class _Grading:
             return ""
 
     def _timeout_text(self, meta) -> str:
-        if meta and meta["kind"] == "eval":
+        if meta and meta["kind"] == "eval" and not self.out_of_time:
             return (f"checking exercise {meta['id']} did not finish (the answer's code kept running after the "
                     "check's own time limit), so the grader stopped the kernel")
         return f"it ran longer than the time limit of {self.limits.timeout:g} s, so the grader stopped its kernel"
@@ -432,7 +485,7 @@ class _Grading:
         elif meta and meta["kind"] == "setup":
             where = " while the grader was setting up its kernel"
         self.result.status, self.result.detail = status, f"{reason}{where}"
-        if meta and meta["kind"] == "eval":
+        if meta and meta["kind"] == "eval" and not (status == "time limit" and self.out_of_time):
             self.result.outcomes[meta["id"]] = Outcome(INCORRECT, f"the check of this answer was stopped: {reason}",
                                                        self.result.name)
 
@@ -462,6 +515,10 @@ class _Grading:
                 raise _SetupFailed("the grader's setup cell gave no answer")
             return
         ex_id = meta["id"]
+        if payload and payload.get("id") == ex_id and payload.get("status") == "interfered":
+            self.result.outcomes[ex_id] = Outcome(NOT_RUN, str(payload.get("message")), self.result.name,
+                                                  ["changed the grader's private checker: no result"])
+            return
         if payload is None or payload.get("id") != ex_id or payload.get("status") not in RANK:
             self.result.outcomes[ex_id] = Outcome(
                 NOT_RUN, "the grader's check gave no result: the notebook's code interfered with the grader "
@@ -470,18 +527,30 @@ class _Grading:
             return
         self.result.outcomes[ex_id] = Outcome(payload["status"], payload["message"], self.result.name,
                                               payload.get("flags", []))
-        for text in payload.get("tamper", []):
-            if text not in self.result.notes:
-                self.result.notes.append(text)
+        self.tamper += [str(t) for t in payload.get("tamper", [])]  # flagged on every exercise of the notebook
 
 
-def grade(submissions, limits: Limits | None = None, jobs: int = 1, progress=None) -> ClassReport:
-    """Grade every learner's notebooks under `submissions`; return the ClassReport."""
+def grade(submissions, limits: Limits | None = None, jobs: int = 1, progress=None,
+          unsafe_no_sandbox: bool = False) -> ClassReport:
+    """Grade every learner's notebooks under `submissions`; return the ClassReport.
+
+    Without the namespaces that keep learners apart (mount, network, PID) it refuses (GradeError), unless
+    `unsafe_no_sandbox` (a class whose code is trusted)."""
     limits = limits or Limits()
     root = Path(submissions)
     learners = find_submissions(root)
     registry = dict(exercises.load_all())
     sandbox = Sandbox.probe()
+    if not sandbox.complete and not unsafe_no_sandbox:
+        raise GradeError("this machine cannot keep the learners' kernels apart (no mount, network and PID "
+                         f"namespaces: {sandbox.why_not or 'only ' + ', '.join(sandbox.namespaces)}): a notebook "
+                         "could read or change its classmates' work, reach the network or stop the grader. Grade on "
+                         "Linux with `unshare` (as root, or with unprivileged user namespaces), or pass "
+                         "--unsafe-no-sandbox for a class whose code you trust")
+    # Hidden from every kernel (each has a /tmp of its own): the submissions, the grader's working directory and
+    # temporary folder, the host's sockets under /run; a folder that holds Python or the course stays visible.
+    hide = sorted({str(root.resolve()), os.path.realpath(os.getcwd()), os.path.realpath(tempfile.gettempdir()),
+                   "/run"} - {"/", "/tmp"})
     # The submissions folder, and the grader's working directory unless it is a folder every program writes to.
     shared = {os.path.realpath(tempfile.gettempdir()), os.path.realpath(os.path.expanduser("~")), "/"}
     guarded = {str(root.resolve()): None}
@@ -496,7 +565,7 @@ def grade(submissions, limits: Limits | None = None, jobs: int = 1, progress=Non
     def one(task):
         learner, path = task
         name = str(path.relative_to(root / learner)) if path.parent != root else path.name
-        grading = _Grading(learner, path, name, registry, limits, sandbox)
+        grading = _Grading(learner, path, name, registry, limits, sandbox, hide)
         active.add(grading)
         try:
             result = grading.run()
