@@ -105,3 +105,25 @@ def test_the_detector_sees_mixed_and_english_lines_and_spares_names():
     ]}]}]}
     found = untranslated(nb)
     assert len(found) == 3 and "batch" in found[0] and "loss" in found[1] and "and" in found[2], found
+
+
+# Columns that count characters, not display width: a Chinese character is two columns wide, so a table padded
+# with str.ljust or a width on a text (a literal, a byte count with its unit) loses its alignment in Chinese.
+# `course_utils.i18n.pad` counts display width; the English notebooks use it for every text column.
+ENGLISH = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
+CHAR_PADDING = re.compile(r"\.(ljust|rjust|center)\(|\{format_bytes\([^{}]*\):[<>^]?\d+\}|\{'[A-Za-z][^'{}]*':[<>^]?\d+\}")
+
+
+@pytest.mark.parametrize("path", ENGLISH, ids=[p.stem for p in ENGLISH])
+def test_text_columns_are_padded_by_display_width(path):
+    nb = json.loads(path.read_text(encoding="utf-8"))
+    found = [f"cell {cell['id']}: {m.group(0)}" for cell in nb["cells"] if cell["cell_type"] == "code"
+             for m in CHAR_PADDING.finditer("".join(cell["source"]))]
+    assert not found, f"{path.name}: pad text columns with course_utils.i18n.pad:\n" + "\n".join(found)
+
+
+def test_pad_counts_a_chinese_character_as_two_columns():
+    from course_utils.i18n import pad
+
+    assert pad("峰值", 6) == "峰值  " and pad("peak", 6) == "peak  " and pad("0 字节", 8, ">") == "  0 字节"
+    assert pad("很长的标签", 4) == "很长的标签"  # never cut

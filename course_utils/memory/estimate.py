@@ -48,7 +48,7 @@ class MemoryEstimate:
                 (_("predicted peak"), self.total, _("= parameters + batch + state + workspace"
                                                     " + max(fwd/bwd peak, gradients + step temporaries)"))]
         lines = [_("Training memory estimate ({optimizer}):").format(optimizer=_(self.optimizer_kind))]
-        lines += [f"  {pad(name, 28)}{format_bytes(n):>12}  {note}".rstrip() for name, n, note in rows]
+        lines += [f"  {pad(name, 28)}{pad(format_bytes(n), 12, '>')}  {note}".rstrip() for name, n, note in rows]
         lines += [_("  note: {note}").format(note=n) for n in self.notes]
         return "\n".join(lines)
 

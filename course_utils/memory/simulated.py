@@ -257,7 +257,7 @@ class MemoryBreakdown:
         rows = [(_("parameters (and buffers)"), self.parameters), (_("gradients"), self.gradients),
                 (_("optimizer state"), self.optimizer_state),
                 (_("activations and temporaries"), self.activations), (_("total"), self.total)]
-        return "\n".join(f"{pad(name, 28)}{format_bytes(n):>12}" for name, n in rows)
+        return "\n".join(f"{pad(name, 28)}{pad(format_bytes(n), 12, '>')}" for name, n in rows)
 
 
 def _state_tensors(optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
