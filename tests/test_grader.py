@@ -7,7 +7,11 @@ without end, redefining check(), outputs edited to read "[correct]", replacing t
 running the reference solution, and reaching a server on the grader's machine; IPython hooks that stall the
 grader's cells (buys_time), a forged private checker (forges_private), and a notebook that looks for its classmates'
 work, the grader's folders, other kernels' connection files and the host's sockets, forks without end and leaves
-files in /tmp and /dev/shm (snoops). One grading run of the whole folder (the real command, in a subprocess) is
+files in /tmp and /dev/shm (snoops); an error message with a lone surrogate (surrogate), a link in place of the
+kernel's log and malformed output messages (forges_log), SysV shared memory and message queues left behind
+(leaves_ipc), the unwrapped solution() (unwraps_solution) and a hook disguised as matplotlib's (disguises_hook);
+names that collide (`alice.ipynb`, `alice .ipynb`) and a file name that is not UTF-8 are added by _prepare. One
+grading run of the whole folder (the real command, in a subprocess) is
 shared by the tests that read its report cells; a second run without namespaces (--unsafe-no-sandbox) checks the
 audit hook alone; a third grades the real solved notebook 01.
 """
@@ -36,6 +40,7 @@ SUBMISSIONS = Path(__file__).resolve().parent / "grader_submissions"
 LIMITS = ["--timeout", "10", "--output", "2M", "--file-size", "1M", "--memory", "5G", "--processes", "100"]
 SANDBOXED = grader.Sandbox.probe().complete  # else the grader refuses without --unsafe-no-sandbox
 LEAK = "course-grader-leak"  # what snoops.ipynb writes in /tmp and /dev/shm
+SHM_KEY, MSG_KEY = 0x43475231, 0x43475232  # the SysV objects leaves_ipc.ipynb creates
 
 
 SECRET = "the instructor's secret line"
@@ -66,6 +71,14 @@ def _prepare(base: Path, shell: bool, port: int = 9, sockets: tuple[str, str] = 
     (base / "secret.txt").write_text(SECRET + "\n")
     (subs / "peek.ipynb").symlink_to(base / "secret.txt")
     shutil.copy(subs / "incorrect.ipynb", subs / "=2+3.ipynb")
+    # Names that collide once cleaned (a trailing space), and a file name that is not UTF-8 (byte \xff).
+    shutil.copy(subs / "correct.ipynb", subs / "alice.ipynb")
+    shutil.copy(subs / "not_attempted.ipynb", subs / "alice .ipynb")
+    shutil.copy(bytes(subs / "correct.ipynb"), bytes(subs) + b"/mallory\xff.ipynb")
+    path = subs / "forges_log.ipynb"
+    nb = nbformat.read(path, as_version=4)
+    nb.cells[2].source = nb.cells[2].source.replace('SECRET_FILE = ""', f"SECRET_FILE = {str(base / 'secret.txt')!r}")
+    nbformat.write(nb, path)
     path = subs / "deletes_files.ipynb"
     nb = nbformat.read(path, as_version=4)
     for cell in nb.cells:
@@ -99,6 +112,21 @@ class _Cells(html.parser.HTMLParser):
             self.cells[attrs["data-learner"], attrs["data-exercise"]] = attrs["data-status"]
 
 
+def _sysv_left(remove: bool = False) -> list[str]:
+    """Which of leaves_ipc's SysV objects exist in this IPC namespace (removed if `remove`)."""
+    import ctypes
+    libc = ctypes.CDLL(None, use_errno=True)
+    left = []
+    for kind, get, ctl, key in (("shared memory", libc.shmget, libc.shmctl, SHM_KEY),
+                                ("message queue", libc.msgget, libc.msgctl, MSG_KEY)):
+        found = get(key, 0, 0) if kind == "shared memory" else get(key, 0)
+        if found != -1:
+            left.append(kind)
+            if remove:
+                ctl(found, 0, None)  # IPC_RMID
+    return left
+
+
 @pytest.fixture(scope="module")
 def graded(tmp_path_factory):
     base = tmp_path_factory.mktemp("grade")
@@ -112,6 +140,7 @@ def graded(tmp_path_factory):
         s.listen()
     for leak in (Path("/tmp", LEAK), Path("/dev/shm", LEAK)):
         leak.unlink(missing_ok=True)
+    _sysv_left(remove=True)
     # Shell commands (rm -rf) escape the audit hook: only try them where the OS makes the file system read-only.
     subs, cwd = _prepare(base, shell=grader.Sandbox.probe().mounts, port=listener.getsockname()[1],
                          sockets=(str(base / "host.sock"), abstract_name))
@@ -127,6 +156,7 @@ def graded(tmp_path_factory):
     leaks = [str(p) for p in (Path("/tmp", LEAK), Path("/dev/shm", LEAK)) if p.exists()]
     for leak in leaks:
         Path(leak).unlink()
+    ipc_left = _sysv_left(remove=True)
     assert run.returncode == 0, run.stdout + run.stderr
     with open(base / "report.csv", newline="") as f:
         rows = {(r["learner"], r["exercise"]): r for r in csv.DictReader(f)}
@@ -134,7 +164,7 @@ def graded(tmp_path_factory):
     parser = _Cells()
     parser.feed(page)
     return {"run": run, "rows": rows, "html": page, "cells": parser.cells, "before": before, "subs": subs,
-            "cwd": cwd, "leaks": leaks}
+            "cwd": cwd, "leaks": leaks, "ipc_left": ipc_left}
 
 
 def _status(graded, learner, ex_id):
@@ -151,7 +181,7 @@ def _runs_cell(graded, learner) -> str:
 
 def test_every_learner_and_exercise_is_in_the_table(graded):
     learners = {k[0] for k in graded["rows"]}
-    hostile = {"fifo", "copycat", "zero", "peek", "=2+3"}
+    hostile = {"fifo", "copycat", "zero", "peek", "=2+3", "alice", "alice (2)", "mallory?"}
     expected = {p.stem for p in SUBMISSIONS.glob("*.ipynb")} | {"frank", "broken"} | hostile
     assert learners == (expected - {"=2+3"}) | {"'=2+3"}  # the CSV escapes what a spreadsheet would evaluate
     assert {k[1] for k in graded["rows"]} == {"01.1", "01.4"}
@@ -309,6 +339,85 @@ def test_a_kernel_sees_nothing_of_its_classmates_the_grader_or_the_host(graded):
         assert page[:page.index(item)].rsplit("<li>", 1)[1].startswith('<span class="ok">applied'), item
 
 
+def test_names_that_collide_are_each_graded_with_a_note(graded):
+    # alice.ipynb and "alice .ipynb" (a trailing space) are both "alice" once cleaned: neither stops the class
+    assert _status(graded, "alice", "01.1")[0] == "correct"  # the name that needed no cleaning keeps it
+    assert _status(graded, "alice (2)", "01.1")[0] == "not attempted"
+    for learner in ("alice", "alice (2)"):
+        assert "name collision: " in _runs_cell(graded, learner)
+    assert "name collision: 'alice.ipynb' and 'alice .ipynb' give the same learner name 'alice'; graded as " \
+           "'alice'" in _status(graded, "alice", "01.1")[2]
+    assert _status(graded, "correct", "01.1")[0] == "correct" and _status(graded, "correct", "01.1")[2] == ""
+
+
+def test_text_that_utf8_cannot_encode_still_gives_a_report(graded):
+    # an answer's error holds a lone surrogate; a notebook's file name holds the byte \xff: the HTML and the CSV are
+    # written (the fixture reads both), with "?" in their place
+    status, feedback, _, _ = _status(graded, "surrogate", "01.1")
+    assert status == "incorrect" and feedback.endswith("raised ValueError: bad ?")
+    assert _status(graded, "mallory?", "01.1")[0] == "correct"
+    assert graded["rows"]["mallory?", "01.1"]["notebook"] == "mallory?.ipynb"
+    assert "mallory?.ipynb: completed" in _runs_cell(graded, "mallory?")
+
+
+def test_a_link_in_place_of_the_kernel_log_and_malformed_messages(graded):
+    # forges_log links the kernel's log to a file only the grader can read, then sends output messages of the wrong
+    # shape: they are the notebook's problem (noted), the grader goes on and reads nothing through the link
+    assert _status(graded, "forges_log", "01.1")[0] == "correct"
+    assert "malformed output: the kernel sent 2 message(s)" in _runs_cell(graded, "forges_log")
+    assert SECRET not in graded["html"] and SECRET not in str(graded["rows"])
+
+
+def test_the_kernel_log_is_read_only_as_a_plain_file(tmp_path):
+    from course_tools.grader.run import _Grading
+    (tmp_path / "secret.txt").write_text(SECRET + "\n")
+    grading = _Grading.__new__(_Grading)
+    grading.ipc = str(tmp_path)
+    (tmp_path / "kernel.log").symlink_to(tmp_path / "secret.txt")
+    assert grading._log_tail() == ""
+    (tmp_path / "kernel.log").unlink()
+    (tmp_path / "kernel.log").write_text("noise\n" * 1000 + "Traceback\nOSError: boom\n")  # its last lines only
+    assert grading._log_tail() == "noise / Traceback / OSError: boom"
+
+
+@pytest.mark.skipif("ipc" not in grader.Sandbox.probe().namespaces, reason="needs an IPC namespace")
+def test_sysv_ipc_objects_of_a_kernel_are_gone_after_its_run(graded):
+    assert _status(graded, "leaves_ipc", "01.1")[0] == "correct"
+    assert graded["ipc_left"] == []
+    page = graded["html"]
+    assert page[:page.index("Own IPC namespace")].rsplit("<li>", 1)[1].startswith('<span class="ok">applied')
+
+
+def test_the_unwrapped_solution_is_out_of_reach(graded):
+    # unwraps_solution answers right only if solution.__wrapped__ (which the grader's record would not see) failed
+    status, _, flags, _ = _status(graded, "unwraps_solution", "01.1")
+    assert status == "correct" or "called solution('01.1')" in flags
+
+
+def test_a_hook_disguised_as_matplotlibs_is_flagged(graded):
+    # disguises_hook uses inline figures (matplotlib's own post_execute hook: kept) and registers a post_run_cell
+    # hook whose __module__ claims matplotlib_inline
+    status, _, flags, _ = _status(graded, "disguises_hook", "01.1")
+    assert status == "correct"
+    assert "installed IPython hooks (post_run_cell): removed before each" in flags
+
+
+def test_the_reference_solution_pasted_in_another_cell_is_flagged(tmp_path):
+    from course_tools.grader.run import _Grading
+    import course_utils.exercises as exercises
+    registry = dict(exercises.load_all())
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell("from course_utils.exercises import check"),
+                nbformat.v4.new_code_cell(registry["01.5"].solution),
+                nbformat.v4.new_code_cell('check("01.5", WarmupCosine)')]
+    nbformat.write(nb, tmp_path / "paste.ipynb")
+    grading = _Grading("paste", tmp_path / "paste.ipynb", "paste.ipynb", registry, grader.Limits(),
+                       grader.Sandbox([], [], "not used"))
+    grading.work = str(tmp_path)
+    grading._prepare()
+    assert grading.flags["01.5"] == ["cell 2 contains the reference solution verbatim"]
+
+
 def test_without_namespaces_the_grader_refuses_unless_told(tmp_path, monkeypatch, capsys):
     (tmp_path / "subs").mkdir()
     shutil.copy(SUBMISSIONS / "correct.ipynb", tmp_path / "subs")
@@ -360,11 +469,25 @@ def test_bad_input_gets_a_clear_message(tmp_path, capsys):
     (tmp_path / "notes.txt").write_text("x")
     with pytest.raises(grader.GradeError, match="is a file"):
         grader.find_submissions(tmp_path / "notes.txt")
+    # Names that are the same once cleaned: a notebook and a folder, control characters, names cut at 80: each is
+    # graded under a name of its own, with a note
     (tmp_path / "ann.ipynb").write_text("{}")
     (tmp_path / "ann").mkdir()
     (tmp_path / "ann" / "01.ipynb").write_text("{}")
-    with pytest.raises(grader.GradeError, match="both a notebook and a folder"):
-        grader.find_submissions(tmp_path)
+    for name in ("bo\x01.ipynb", "bo\x02.ipynb", "c" * 90 + "1.ipynb", "c" * 90 + "2.ipynb", "d (2).ipynb", "d.ipynb",
+                 "d .ipynb"):
+        (tmp_path / name).write_text("{}")
+    found = grader.find_submissions(tmp_path)
+    assert found["ann"] == [tmp_path / "ann" / "01.ipynb"] and found["ann (2)"] == [tmp_path / "ann.ipynb"]
+    assert found["bo?"] == [tmp_path / "bo\x01.ipynb"] and found["bo? (2)"] == [tmp_path / "bo\x02.ipynb"]
+    assert found["c" * 79 + "…"] == [tmp_path / ("c" * 90 + "1.ipynb")] and "c" * 79 + "… (2)" in found
+    assert (found["d"], found["d (2)"], found["d (3)"]) == ([tmp_path / "d.ipynb"], [tmp_path / "d (2).ipynb"],
+                                                             [tmp_path / "d .ipynb"])
+    assert found.notes["ann (2)"] == ["name collision: 'ann.ipynb' and 'ann' give the same learner name 'ann'; "
+                                      "graded as 'ann (2)'"]
+    assert found.notes["bo?"] == ["name collision: 'bo\\x01.ipynb' and 'bo\\x02.ipynb' give the same learner name "
+                                  "'bo?'; graded as 'bo?'"]
+    assert "d (2)" not in found.notes and set(found.notes) == set(found) - {"d (2)"}
     with pytest.raises(SystemExit) as exit:
         cli([str(tmp_path), "--memory", "lots"])
     assert exit.value.code == 2 and "expected a size such as 8G" in capsys.readouterr().err

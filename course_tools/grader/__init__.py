@@ -20,16 +20,25 @@ every exercise of the notebook, with what it means for the result; a changed pri
 
 Containment (each item is reported as applied or not, with the reason, in the report): one kernel per notebook in
 an empty working directory, a wall-clock time limit, an output cap, RLIMIT_AS / CPU / FSIZE / NPROC, and, where
-`unshare` may create mount, network and PID namespaces: no network, its own PID namespace, a private /tmp,
+`unshare` may create mount, network and PID namespaces: no network, its own PID namespace (and IPC namespace where
+`unshare --ipc` works: no SysV or POSIX IPC object outlives it), a private /tmp,
 /var/tmp and /dev/shm (one capped tmpfs holding the working directory), the submissions, the grader's folders and
 /run hidden, the rest read-only, no capabilities, and (as root) a uid of its own. Without those namespaces the
 grader refuses unless `unsafe_no_sandbox` (`--unsafe-no-sandbox`). Everywhere an audit hook refuses Python-level
-writes outside the working directory, and the submissions and the grader's folder are checked after each notebook.
+writes by path outside the working directory and /dev (not writes through a file descriptor such as os.fchmod(fd),
+not sqlite3.connect or socket.bind: without the read-only mounts plain Python can still write those ways), and the
+submissions and the grader's folder are checked after each notebook. The kernel's ipc folder (connection file,
+sockets, log) is on the host's /tmp: each file capped by RLIMIT_FSIZE, the folder not counted in --disk; the grader
+reads its files there only as plain files (O_NOFOLLOW), and treats kernel messages of the wrong shape as the
+notebook's "malformed output". The time limit is per notebook: a folder of N notebooks gets N x --timeout.
+Names that collide once cleaned are all graded ("alice", "alice (2)"), with a note; the reports replace text UTF-8
+cannot encode.
 
 What it cannot prevent (the threat model is a learner who writes Python, not a kernel exploit): the learner's code
 runs in the same process as the checker, so code written to cheat on purpose can still forge a result unnoticed:
-replace the grader's objects or the json encoder, patch `torch` functions the checkers rely on, or read the
-token and print a framed line of its own. INSTRUCTORS.md lists what is prevented, detected and not.
+replace the grader's objects or the json encoder, patch `torch` functions the checkers rely on, rewrite the
+checker's locals with sys.settrace, or read the token and print a framed line of its own. INSTRUCTORS.md lists what
+is prevented, detected and not.
 
 The modules, each depending only on those after it: `cli` (the command line), `run` (`grade()`: the grading run
 of each notebook), `submissions` (which files are the learners' notebooks, read safely: regular files only, no link

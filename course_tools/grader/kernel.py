@@ -35,6 +35,7 @@ def __course_grader_setup(private, target, exercises_dir, course_dir, workdir, s
         calls.add(str(exercise_id))
         return original_solution(exercise_id)
 
+    del solution.__wrapped__  # functools.wraps' way to the unwrapped solution(), which would bypass the record
     public.solution = public_core.solution = solution
     try:
         from ipykernel.compiler import get_tmp_directory
@@ -100,11 +101,17 @@ def __course_grader_setup(private, target, exercises_dir, course_dir, workdir, s
     callbacks = {name: list(cbs) for name, cbs in events.callbacks.items()}
     transformer_lists = {name: (getattr(shell, name), list(getattr(shell, name)))
                          for name in ("input_transformers_cleanup", "input_transformers_post", "ast_transformers")}
-    benign = ("matplotlib", "matplotlib_inline", "IPython.extensions.autoreload")
+    # The hooks they register, compared by identity (a function's __module__ is the learner's to set): looked up
+    # when a check runs, in the modules as imported (a module not imported yet registered nothing).
+    benign = {"matplotlib.pyplot": "_draw_all_if_interactive", "matplotlib_inline.backend_inline": "flush_figures"}
 
     def is_benign(hook):
-        module = str(getattr(hook, "__module__", None) or getattr(type(hook), "__module__", ""))
-        return any(module == b or module.startswith(b + ".") for b in benign)
+        real = [getattr(sys.modules.get(module), name, None) for module, name in benign.items()]
+        autoreload = getattr(sys.modules.get("IPython.extensions.autoreload"), "AutoreloadMagics", None)
+        if isinstance(autoreload, type) and isinstance(getattr(hook, "__self__", None), autoreload):
+            real += [autoreload.__dict__.get("pre_run_cell"), autoreload.__dict__.get("post_execute_hook")]
+        func = getattr(hook, "__func__", hook)  # a bound method: its function
+        return any(func is r for r in real if r is not None)
 
     def reset_hooks():
         found = []

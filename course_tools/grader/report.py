@@ -83,6 +83,10 @@ class ClassReport:
                                               "kernels; all its processes stop with it",
                       "" if "pid" in sb.namespaces else f"not applied: {sb.why_not}; a notebook can signal the "
                                                          "grader and the other kernels"))
+        items.append(("ipc" in sb.namespaces, "Own IPC namespace: SysV shared memory and message queues and POSIX "
+                                              "message queues of its own, gone after the run (no channel to another "
+                                              "kernel)", "" if "ipc" in sb.namespaces else "not applied: `unshare "
+                                                                                         "--ipc` failed"))
 
         def applied(name):
             why = [m[1] for s in statuses for m in s.get("missing", []) if m[0] == name]
@@ -109,9 +113,10 @@ class ClassReport:
                       "" if fs_ok else "not applied: " + (fs_missing[0] if fs_missing else sb.why_not or
                                                          "no mount namespace") +
                       "; only the audit hook refuses Python-level writes outside the working directory"))
-        items.append((True, "Audit hook in the kernel: Python-level writes, deletions and renames outside the "
-                            "working directory are refused", "code that starts processes or uses ctypes is not "
-                                                             "covered by it"))
+        items.append((True, "Audit hook in the kernel: Python-level writes, deletions and renames by path outside "
+                            "the working directory and /dev are refused",
+                      "not covered by it: writes through a file descriptor (os.fchmod(fd)), sqlite3.connect, "
+                      "socket.bind, processes it starts, ctypes"))
         items.append((True, "Checked for changes after each notebook: " + ", ".join(self.guarded),
                       "" if len(self.guarded) > 1 else "the grader's working directory is a shared folder (temporary "
                                                   "folder, home or /), which other programs change: not checked"))
@@ -142,8 +147,8 @@ class ClassReport:
     def write_csv(self, path) -> None:
         """One row per learner and exercise. A cell that a spreadsheet would read as a formula (starting with =, +,
         -, @, a tab or a carriage return: a learner named "=2+3", feedback quoting "-1") is written with a leading
-        apostrophe, as OWASP recommends against CSV injection."""
-        with open(path, "w", newline="", encoding="utf-8") as f:
+        apostrophe, as OWASP recommends against CSV injection. Text UTF-8 cannot encode (a lone surrogate) is "?"."""
+        with open(path, "w", newline="", encoding="utf-8", errors="replace") as f:  # a lone surrogate: "?"
             writer = _SafeWriter(csv.writer(f))
             writer.writerow(["learner", "exercise", "status", "feedback", "flags", "notebook", "notebook_status"])
             for learner in self.learners:
@@ -211,7 +216,7 @@ result; INSTRUCTORS.md lists what it cannot notice.</p>
                          f"</th><td>{c[CORRECT]}</td><td>{c[INCORRECT]}</td><td>{c[NOT_ATTEMPTED]}</td>"
                          f"<td>{c[NOT_RUN]}</td><td>{mistakes}</td></tr>")
         parts.append("</tbody></table></body></html>\n")
-        with open(path, "w", encoding="utf-8") as f:
+        with open(path, "w", encoding="utf-8", errors="replace") as f:  # a lone surrogate (an answer's error): "?"
             f.write("".join(parts))
 
 

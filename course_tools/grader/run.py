@@ -14,6 +14,7 @@ import re
 import secrets
 import shutil
 import signal
+import stat
 import sys
 import tempfile
 import time
@@ -34,7 +35,7 @@ from .limits import GradeError, Limits, format_size
 from .report import ClassReport
 from .results import INCORRECT, NOT_RUN, RANK, NotebookRun, Outcome
 from .sandbox import Sandbox
-from .submissions import Unreadable, find_submissions, read_notebook
+from .submissions import Unreadable, find_submissions, notebook_name, read_notebook
 
 # The checkers the grader loads afresh in each kernel, and the course's folder (code compiled from there is its own).
 EXERCISES_DIR = os.path.dirname(os.path.abspath(exercises.__file__))
@@ -135,9 +136,45 @@ def _kernel_env(work: str, limits: Limits) -> dict:
 def _message_size(msg: dict) -> int:
     """Roughly the bytes a kernel message carries (text, rich data, widget state, binary buffers, tracebacks)."""
     content = msg.get("content", {})
-    size = len(str(content.get("text", ""))) + sum(len(str(v)) for v in (content.get("data") or {}).values())
-    size += sum(len(b) for b in msg.get("buffers", []) or [] if hasattr(b, "__len__"))
-    return size + sum(len(str(line)) for line in content.get("traceback", []) or []) + len(str(content.get("evalue", "")))
+    try:
+        size = len(str(content.get("text", ""))) + sum(len(str(v)) for v in (content.get("data") or {}).values())
+        size += sum(len(str(line)) for line in content.get("traceback", []) or []) + len(str(content.get("evalue", "")))
+    except (TypeError, AttributeError):  # a malformed message (_malformed): its whole text
+        size = len(str(content))
+    return size + sum(len(b) for b in msg.get("buffers", []) or [] if hasattr(b, "__len__"))
+
+
+def _read_own(path: str, limit: int) -> bytes:
+    """The last `limit` bytes of a file in the kernel's ipc folder, which the kernel may write to: a symbolic link
+    (to a classmate's notebook, to /etc/shadow), a FIFO, a hard link or anything but a plain file is not read."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
+            raise OSError(f"{path}: not a file of the kernel's own")
+        f.seek(max(0, st.st_size - limit))
+        return f.read(limit)
+
+
+def _malformed(msg: dict) -> bool:
+    """A message from the kernel that does not have the shape of its type (a stream's text not a string, ...)."""
+    content = msg.get("content")
+    if not isinstance(content, dict):
+        return True
+    kind = msg.get("msg_type")
+    transient = content.get("transient") or {}
+    if not isinstance(transient, dict) or not isinstance(transient.get("display_id", ""), (str, type(None))):
+        return True
+    if kind == "stream":
+        return not (isinstance(content.get("name"), str) and isinstance(content.get("text"), str))
+    if kind in ("display_data", "execute_result", "update_display_data"):
+        return not (isinstance(content.get("data", {}), dict) and isinstance(content.get("metadata", {}), dict))
+    if kind == "error":
+        return not (isinstance(content.get("ename", ""), str) and isinstance(content.get("evalue", ""), str)
+                    and isinstance(content.get("traceback", []), list))
+    if kind == "status":
+        return not isinstance(content.get("execution_state"), str)
+    return False
 
 
 def _exit_reason(code, limits: Limits) -> str:
@@ -188,11 +225,14 @@ class _Grading:
                     self.flags[key].append(text)
                 elif text not in self.result.notes:
                     self.result.notes.append(text)
-        for i, ids in ex_cells.items():
+        for i, ids in ex_cells.items():  # the reference solution pasted verbatim, in the exercise's cell or another
             for ex_id in ids:
                 text = _distinctive(self.registry[ex_id])
                 if text and text in nb.cells[i].source:
                     self.flags[ex_id].append("the cell contains the reference solution verbatim")
+                elif text:
+                    self.flags[ex_id] += [f"cell {j + 1} contains the reference solution verbatim" for j in code_cells
+                                          if text in nb.cells[j].source][:1]
         self.private = f"course_utils._grader_{secrets.token_hex(8)}"
         self.target = f"course_grader_{secrets.token_hex(8)}"  # the comm target of the grader's checks
         run = nbformat.v4.new_notebook(metadata=nb.metadata)
@@ -262,14 +302,22 @@ class _Grading:
         class Client(NotebookClient):
             def process_message(self, msg, cell, cell_index):
                 grading.output_bytes += _message_size(msg)  # every message counts: output, widgets, errors
+                malformed = _malformed(msg)  # sent by the learner's code on purpose: counted, dropped, noted
+                grading.malformed += malformed
                 if grading.output_bytes > limits.output:
                     if not grading.over_cap:
                         grading.over_cap = True
                         grading._kill()
-                    if msg["msg_type"] == "status" and msg["content"].get("execution_state") == "idle":
+                    if not malformed and msg["msg_type"] == "status" and msg["content"]["execution_state"] == "idle":
                         return super().process_message(msg, cell, cell_index)
                     return None
-                return super().process_message(msg, cell, cell_index)
+                if malformed:
+                    return None
+                try:
+                    return super().process_message(msg, cell, cell_index)
+                except (TypeError, AttributeError, KeyError, ValueError):  # a shape _malformed does not know
+                    grading.malformed += 1
+                    return None
 
             def output(self, outs, msg, display_id, cell_index):
                 if msg["msg_type"] == "stream" and "Reference solution for " in msg["content"].get("text", ""):
@@ -279,7 +327,7 @@ class _Grading:
                     return None  # learner output is not kept (or trusted)
                 return super().output(outs, msg, display_id, cell_index)
 
-        self.output_bytes, self.over_cap, self.printed_solutions = 0, False, set()
+        self.output_bytes, self.over_cap, self.printed_solutions, self.malformed = 0, False, set(), 0
         self.spent, self.process, self.tamper, self.out_of_time = 0.0, None, [], False
 
         def timeout_for(cell):
@@ -359,6 +407,9 @@ class _Grading:
         finally:
             os.close(lock)
         self.result.counted = self.spent
+        if self.malformed:
+            self.errors.append(f"malformed output: the kernel sent {self.malformed} message(s) of the wrong shape "
+                               "(a stream's text not a string, ...), ignored: the notebook's code sent them itself")
         self.result.notes[:0] = self.errors
         tamper = list(dict.fromkeys(self.tamper))
         for ex_id in self.exercises:
@@ -395,13 +446,17 @@ class _Grading:
                 if not await client.km.is_alive():
                     raise DeadKernelError("the kernel died during a check") from None
                 continue
-            if reply["parent_header"].get("msg_id") != parent:
+            header = reply.get("parent_header")
+            if not isinstance(header, dict) or header.get("msg_id") != parent:
                 continue
             self.output_bytes += _message_size(reply)
             if self.output_bytes > limits.output:
                 self.over_cap = True
                 self._kill()
                 raise DeadKernelError("output cap")
+            if _malformed(reply):
+                self.malformed += 1
+                continue
             content = reply["content"]
             if reply["msg_type"] == "stream" and content.get("name") == "stdout":
                 text.append(content.get("text", ""))
@@ -459,18 +514,17 @@ class _Grading:
 
     def _read_sandbox_status(self) -> None:
         try:
-            with open(os.path.join(self.ipc, "sandbox.json")) as f:
-                self.result.sandbox = json.load(f)
+            self.result.sandbox = json.loads(_read_own(os.path.join(self.ipc, "sandbox.json"), 2 ** 16))
         except (OSError, ValueError):
             self.result.sandbox = {}
 
     def _log_tail(self) -> str:
+        """The last lines of the kernel's own log (its stdout and stderr)."""
         try:
-            with open(os.path.join(self.ipc, "kernel.log"), errors="replace") as f:
-                lines = [line.strip() for line in f.read()[-2000:].splitlines() if line.strip()]
-            return " / ".join(lines[-3:])
+            text = _read_own(os.path.join(self.ipc, "kernel.log"), 2000).decode("utf-8", "replace")
         except OSError:
             return ""
+        return " / ".join([line.strip() for line in text.splitlines() if line.strip()][-3:])
 
     def _timeout_text(self, meta) -> str:
         if meta and meta["kind"] == "eval" and not self.out_of_time:
@@ -564,13 +618,18 @@ def grade(submissions, limits: Limits | None = None, jobs: int = 1, progress=Non
 
     def one(task):
         learner, path = task
-        name = str(path.relative_to(root / learner)) if path.parent != root else path.name
+        inside = path.relative_to(root)  # the learner's own folder (its name may not be the learner's) left out
+        name = notebook_name(str(inside if len(inside.parts) == 1 else inside.relative_to(inside.parts[0])))
         grading = _Grading(learner, path, name, registry, limits, sandbox, hide)
         active.add(grading)
         try:
             result = grading.run()
         finally:
             active.discard(grading)
+        collided = learners.notes.get(learner, [])  # shown beside the notebook and flagged on each of its results
+        result.notes[:0] = collided
+        for outcome in result.outcomes.values():
+            outcome.flags[:0] = collided
         for key, before in guarded.items():
             after = _fingerprint(key)
             changes = _changes(before, after)

@@ -49,7 +49,10 @@ class Sandbox:
         if not unshare:
             return cls([], [], "the `unshare` command (util-linux) was not found")
         user = [] if os.geteuid() == 0 else ["--user", "--map-root-user"]
-        tries = [(["--mount", "--net", "--pid", "--fork", "--kill-child", "--mount-proc"], ["mount", "net", "pid"]),
+        # --ipc: SysV shared memory and message queues and POSIX message queues of its own, gone with the kernel
+        tries = [(["--mount", "--net", "--pid", "--ipc", "--fork", "--kill-child", "--mount-proc"],
+                  ["mount", "net", "pid", "ipc"]),
+                 (["--mount", "--net", "--pid", "--fork", "--kill-child", "--mount-proc"], ["mount", "net", "pid"]),
                  (["--net", "--pid", "--fork", "--kill-child", "--mount-proc"], ["net", "pid"]),
                  (["--net"], ["net"])]
         errors = []

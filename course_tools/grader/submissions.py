@@ -4,8 +4,8 @@ Only regular files count. A symbolic link (to a classmate's notebook, to `/dev/z
 or a device is not followed and not opened: it is graded as "unreadable", with the reason and nothing of what it
 points to. A notebook is opened with `O_NOFOLLOW | O_NONBLOCK` (a FIFO swapped in after the listing cannot hang
 the grader), checked again with `fstat`, and read up to `MAX_NOTEBOOK` bytes. Error messages name the file and
-the kind of problem, never its contents. Learner names come from file and folder names, with control characters
-and other unprintable ones replaced.
+the kind of problem, never its contents. Learner and notebook names come from file and folder names, with control
+characters and other unprintable ones replaced; names that collide once cleaned get a suffix and a note.
 """
 from __future__ import annotations
 
@@ -32,6 +32,12 @@ def learner_name(raw: str) -> str:
     return name if len(name) <= _MAX_NAME else name[:_MAX_NAME - 1] + "…"
 
 
+def notebook_name(raw: str) -> str:
+    """A notebook's name (`part2.ipynb`, `bob/part2.ipynb`) as the report shows it: unprintable characters (a byte
+    that is not UTF-8 in the file name, a control character) replaced, like a learner's name."""
+    return "".join(ch if ch.isprintable() else "?" for ch in raw) or "?"
+
+
 def _kind(mode: int) -> str:
     if stat.S_ISLNK(mode):
         return "a symbolic link"
@@ -55,28 +61,51 @@ def _notebooks_in(folder: Path) -> list[Path]:
     return found
 
 
-def find_submissions(root) -> dict[str, list[Path]]:
-    """{learner: [notebook paths]}: a notebook per learner (name = file stem) or a folder per learner."""
+class Submissions(dict):
+    """{learner: [notebook paths]}; `notes[learner]`: why the learner's name is not the file's (a collision)."""
+
+    def __init__(self):
+        super().__init__()
+        self.notes: dict[str, list[str]] = {}
+
+
+def find_submissions(root) -> Submissions:
+    """{learner: [notebook paths]}: a notebook per learner (name = file stem) or a folder per learner.
+
+    Names that are the same once cleaned (`alice.ipynb` and `alice .ipynb`, `alice` and `alice.ipynb`, control
+    characters, names cut at 80 characters) never stop the class: each entry is graded under a name of its own
+    ("alice", "alice (2)", ...: an entry whose name needed no cleaning first, then in the folder's order), with a
+    note that names the colliding entries."""
     root = Path(root)
     if not root.exists():
         raise GradeError(f"{root}: no such folder")
     if not root.is_dir():
         raise GradeError(f"{root} is a file; give the folder that holds the learners' notebooks "
                          "(one .ipynb per learner, or one folder per learner)")
-    learners: dict[str, list[Path]] = {}
+    entries: dict[str, list[tuple[str, Path, list[Path]]]] = {}  # {cleaned name: [(raw name, entry, notebooks)]}
     for path in sorted(root.iterdir()):
         if path.name.startswith("."):
             continue
         mode = path.lstat().st_mode
         if path.suffix == ".ipynb" and not stat.S_ISDIR(mode):
-            name, notebooks = learner_name(path.stem), [path]  # a symbolic link or a FIFO too: refused when read
+            raw, notebooks = path.stem, [path]  # a symbolic link or a FIFO too: refused when read
         elif stat.S_ISDIR(mode):
-            name, notebooks = learner_name(path.name), _notebooks_in(path)
+            raw, notebooks = path.name, _notebooks_in(path)
         else:
             continue
-        if name in learners:
-            raise GradeError(f"{root}: {name!r} is both a notebook and a folder; which one is the learner's?")
-        learners[name] = notebooks
+        entries.setdefault(learner_name(raw), []).append((raw, path, notebooks))
+    learners = Submissions()
+    for name, group in entries.items():
+        group.sort(key=lambda entry: entry[0] != name)  # stable: the folder's order otherwise
+        for i, (raw, path, notebooks) in enumerate(group):
+            key, n = name, i + 1
+            while key in learners or (n > 1 and key in entries):
+                key, n = f"{name} ({n})", n + 1
+            learners[key] = notebooks
+            if len(group) > 1:
+                others = ", ".join(repr(p.name) for _, p, _ in group if p != path)  # repr: no control character
+                learners.notes[key] = [f"name collision: {path.name!r} and {others} give the same "
+                                       f"learner name {name!r}; graded as {key!r}"]
     if not any(learners.values()):
         raise GradeError(f"{root} holds no .ipynb files: expected one notebook per learner (alice.ipynb) or one "
                          "folder of notebooks per learner (alice/01_callables.ipynb)")
