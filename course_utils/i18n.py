@@ -19,13 +19,14 @@ says so in one line and `plot_label_language()` returns "en", so labels fall bac
 from __future__ import annotations
 
 import os
+import textwrap
 import unicodedata
 from contextlib import contextmanager
 from functools import lru_cache
 from pathlib import Path
 
-__all__ = ["LANGUAGES", "N_", "_", "cjk_font", "get_language", "pad", "plot_label_language", "set_language",
-           "speaking"]
+__all__ = ["LANGUAGES", "N_", "_", "cjk_font", "display_width", "get_language", "pad", "plot_label_language",
+           "set_language", "speaking", "wrap"]
 
 LANGUAGES = ("en", "zh-CN")
 ENV_VAR = "COURSE_UTILS_LANG"
@@ -157,9 +158,111 @@ def plot_label_language() -> str:
     return "en"
 
 
+def _is_wide(char: str) -> bool:
+    return unicodedata.east_asian_width(char) in "WF"
+
+
+def display_width(text: str) -> int:
+    """The columns `text` takes in a terminal or a notebook's output: a wide (Chinese) character counts as two."""
+    return sum(2 if _is_wide(c) else 1 for c in text)
+
+
 def pad(text: str, width: int, align: str = "<") -> str:
     """`text` in `width` columns, a wide (Chinese) character counting as two: `f"{text:<width}"` (or `">"`, right-
     aligned) for any language, so that a table's columns line up in the Chinese edition too."""
-    used = sum(2 if unicodedata.east_asian_width(c) in "WF" else 1 for c in text)
-    space = " " * max(width - used, 0)
+    space = " " * max(width - display_width(text), 0)
     return space + text if align == ">" else text + space
+
+
+# Never at the start of a line (a break may come after them) / never at the end of one (a break may come before).
+_NO_LINE_START = set("，。；：、）！？」』》】〉…—%,.;:!?)]}'\"")
+_NO_LINE_END = set("（「『《【〈([{'\"")
+
+
+def _break_between(left: str, right: str) -> bool:
+    """Whether a line may break between two adjacent non-space characters: after a closing Chinese punctuation mark
+    or around a wide (CJK) character, but never before a closing mark nor after an opening one."""
+    if right in _NO_LINE_START or left in _NO_LINE_END:
+        return False
+    return _is_wide(left) or _is_wide(right)
+
+
+class _WidthWrapper(textwrap.TextWrapper):
+    """textwrap.TextWrapper that measures in display columns and may also break inside a run of Chinese text."""
+
+    def _split(self, text):
+        chunks = []
+        for chunk in super()._split(text):
+            if chunk.strip() == "" or not any(_is_wide(c) for c in chunk):
+                chunks.append(chunk)
+                continue
+            start = 0
+            for i in range(1, len(chunk)):
+                if _break_between(chunk[i - 1], chunk[i]):
+                    chunks.append(chunk[start:i])
+                    start = i
+            chunks.append(chunk[start:])
+        return chunks
+
+    def _handle_long_word(self, reversed_chunks, cur_line, cur_len, width):
+        space_left = 1 if width < 1 else width - cur_len
+        chunk = reversed_chunks[-1]
+        if self.break_long_words:
+            end, used = 0, 0
+            while end < len(chunk) and used + display_width(chunk[end]) <= space_left:
+                used += display_width(chunk[end])
+                end += 1
+            if end == 0 and not cur_line:
+                end = 1  # a character wider than the whole line: it goes alone, so that the text moves on
+            if self.break_on_hyphens and end < len(chunk):
+                hyphen = chunk.rfind("-", 0, end)
+                if hyphen > 0 and any(c != "-" for c in chunk[:hyphen]):
+                    end = hyphen + 1
+            if end:
+                cur_line.append(chunk[:end])
+                reversed_chunks[-1] = chunk[end:]
+        elif not cur_line:
+            cur_line.append(reversed_chunks.pop())
+
+    def _wrap_chunks(self, chunks):
+        # textwrap's greedy filling (without max_lines), with display_width in place of len
+        if self.width <= 0:
+            raise ValueError(_("invalid width {width!r} (must be > 0)").format(width=self.width))
+        lines: list[str] = []
+        chunks.reverse()
+        while chunks:
+            cur_line: list[str] = []
+            cur_len = 0
+            indent = self.subsequent_indent if lines else self.initial_indent
+            width = self.width - display_width(indent)
+            if self.drop_whitespace and chunks[-1].strip() == "" and lines:
+                del chunks[-1]
+            while chunks:
+                length = display_width(chunks[-1])
+                if cur_len + length <= width:
+                    cur_line.append(chunks.pop())
+                    cur_len += length
+                else:
+                    break
+            if chunks and display_width(chunks[-1]) > width:
+                self._handle_long_word(chunks, cur_line, cur_len, width)
+                cur_len = sum(map(display_width, cur_line))
+            if self.drop_whitespace and cur_line and cur_line[-1].strip() == "":
+                cur_len -= display_width(cur_line[-1])
+                del cur_line[-1]
+            if cur_line:
+                lines.append(indent + "".join(cur_line))
+        return lines
+
+
+def wrap(text: str, width: int, initial_indent: str = "", subsequent_indent: str = "", **options) -> list[str]:
+    """`textwrap.wrap(text, width, ...)` measured in display columns (a wide, Chinese, character counts as two, as
+    in `pad`), so that Chinese lines are as wide on screen as English ones. English text is broken at spaces (and
+    hyphens) exactly as textwrap does; Chinese text, which has no spaces, may also break after its punctuation or
+    between two Chinese characters (never before a closing mark such as ，。） nor after an opening one such as （).
+    A line exceeds `width` only for a single token that cannot be broken (with `break_long_words=False`).
+    `options`: those of `textwrap.TextWrapper` (`break_long_words`, `break_on_hyphens`, ...; not `max_lines`)."""
+    if options.get("max_lines") is not None:
+        raise TypeError(_("wrap() does not support max_lines"))
+    wrapper = _WidthWrapper(width, initial_indent=initial_indent, subsequent_indent=subsequent_indent, **options)
+    return wrapper.wrap(text)

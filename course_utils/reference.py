@@ -15,11 +15,10 @@ from __future__ import annotations
 import copy
 import functools
 import json
-import textwrap
 from importlib import resources
 from pathlib import Path
 
-from .i18n import N_, _
+from .i18n import N_, _, wrap
 
 REFERENCE_FILE = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "gpu_reference.json"
 PUBLISHED_FILE = "published_figures.json"  # package data of course_utils
@@ -125,10 +124,9 @@ def published_table(section: str) -> str:
     for fig, value in zip(figures, values):
         refs = " ".join(ref(s) for s in [fig["source"], *fig["also_sources"]])
         row = f"  {value:>{width}}  {fig['quantity']}; {fig['hardware']} {refs}"  # translated by published()
-        lines += textwrap.wrap(row, _WIDTH, subsequent_indent=indent + "  ")
+        lines += wrap(row, _WIDTH, subsequent_indent=indent + "  ")
         if fig.get("note"):
-            lines += textwrap.wrap(fig["note"], _WIDTH, initial_indent=indent + "  ",
-                                   subsequent_indent=indent + "  ")
+            lines += wrap(fig["note"], _WIDTH, initial_indent=indent + "  ", subsequent_indent=indent + "  ")
     if any(f["kind"] == "vendor peak" for f in figures):
         if any(f["unit"] == "TFLOPS" for f in figures):
             lines.append(_("  Vendor peaks are ceilings (tensor peaks: dense, without 2:4 sparsity), not what a "
@@ -137,8 +135,8 @@ def published_table(section: str) -> str:
             lines.append(_("  Vendor peaks are ceilings, not what a training step reaches."))
     lines.append(_("  Sources:"))
     for i, source in enumerate(sources, 1):
-        lines += textwrap.wrap(f"[{i}] {describe_source(source)}", _WIDTH, initial_indent="    ",
-                               subsequent_indent="        ", break_long_words=False, break_on_hyphens=False)
+        lines += wrap(f"[{i}] {describe_source(source)}", _WIDTH, initial_indent="    ",
+                      subsequent_indent="        ", break_long_words=False, break_on_hyphens=False)
     return "\n".join(lines)
 
 

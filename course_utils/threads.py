@@ -151,6 +151,6 @@ def step_ms_in_fresh_process(setting: str, threads=(2,), steps: int = 10) -> dic
            "--threads", *map(str, threads)]
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
     if out.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd)} failed:\n{out.stderr[-2000:]}")
+        raise RuntimeError(_("{command} failed:\n{stderr}").format(command=" ".join(cmd), stderr=out.stderr[-2000:]))
     result = json.loads(out.stdout.strip().splitlines()[-1])
     return {where: {int(n): ms for n, ms in figures.items()} for where, figures in result.items()}

@@ -245,7 +245,7 @@ def test_matmul_peak_sweep_and_rung_precision():
         sweep = speed.matmul_peak_sweep([8, 16], "cpu", precision, repeats=1, min_run_time=0.0)
         assert set(sweep) == {8, 16} and all(v > 0 for v in sweep.values())
     convs = speed.conv_sweep("cpu", "bfloat16", (2,), repeats=1, min_run_time=0.0)
-    assert list(convs) == ["conv1, batch 2", "conv2, batch 2", "conv3, batch 2"] and all(v > 0 for v in convs.values())
+    assert list(convs) == ["conv1, batch=2", "conv2, batch=2", "conv3, batch=2"] and all(v > 0 for v in convs.values())
     for sweep in (speed.matmul_peak_sweep, lambda *a: speed.conv_sweep(a[1], a[2])):
         with pytest.raises(ValueError, match="CUDA"):
             sweep([8], "cpu", "tf32")

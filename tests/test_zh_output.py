@@ -12,16 +12,18 @@ CHINESE = sorted((ROOT / "notebooks" / "zh-CN").glob("[0-9][0-9]_*.ipynb"))
 CJK = re.compile(r"[\u3400-\u9fff]")
 # Code, not prose: quoted values (an English term glossed in “quotes” too), inline code, URLs, anything with
 # punctuation that code has, hyphenated names (nvidia-ml-py, all-reduce), numbers and units with digits.
-CODE = re.compile(r"'[^']*'|\"[^\"]*\"|“[^”]*”|`[^`]*`|https?://\S+|\S*[_./\\=\[\]{}<>()@:|]\S*|\S*\w-\w\S*|\S*\d\S*")
+# A colon or a parenthesis makes code only inside a token (cuda:0, f(x)), not as the punctuation of a word
+# ("refused:", "(nothing recorded)").
+CODE = re.compile(r"'[^']*'|\"[^\"]*\"|“[^”]*”|`[^`]*`|https?://\S+|\S*[_./\\=\[\]{}<>@|]\S*|\S*\w[:(]\S+|\S*\w-\w\S*|\S*\d\S*")
 # The text of an exception or warning that PyTorch, CUDA or Python raised, quoted after its class's name.
-FOREIGN = re.compile(r"\b[A-Z]\w*(Error|Exception|Warning|Interrupt)\b:?.*$|Error\(s\) in .*$")
+FOREIGN = re.compile(r"\b[A-Z]\w*(Error|Exception|Warning|Interrupt)\b:?.*$|Error\(s\) in .*$|WeightsUnpickler error: .*$")
 CITATION = re.compile(r"^\s*\[\d+\] ")  # a source in a list of references: its title stays as published
 SOURCE = re.compile(r"\[[^\[\]]*; [^\[\]]*\]")  # a source cited inline, [title; publisher, date: url]
 # Names that stay in English in Chinese text (d2l-zh keeps them too): API words, tools, units.
 NAMES = frozenset("""
 cuda cpu mps meta xpu gloo nccl fork spawn forkserver eager inductor torchrun pip conda nvcc ptxas nvrtc libcudart
 smi torch torchvision numpy python jupyter triton autocast dtype logits logit softmax rank all-reduce allreduce
-sgd adam adamw relu dropout tf bf fp inf nan none ok oom mfu ddp fsdp amp vs x s ms us ns gb mb kb gib mib kib
+sgd adam adamw relu dropout tf bf fp inf nan ok oom mfu ddp fsdp amp vs x s ms us ns gb mb kb gib mib kib
 tflops gflops img except raise lambda len pickle highest high medium train eval forward offset trainer mini cell
 greeter momentum trace linux min bug matmul eps list is cudnn cublas
 """.split())
@@ -30,7 +32,13 @@ FOREIGN_LINES = [
     re.compile(r"^\s*Name\s+Self CPU %"),                               # torch.profiler's table
     re.compile(r"CUDA out of memory\. Tried to allocate"),             # the CUDA caching allocator's message
     re.compile(r"did not receive grad for rank|TORCH_DISTRIBUTED_DEBUG to either INFO or DETAIL"),  # DDP's error
-    re.compile(r"^\s*if self\._compiled_call_impl is not None:"),      # torch's source, printed by inspect
+    re.compile(r"^\s*if self\._compiled_call_impl is not None:|_call_impl\b|\*args, \*\*kwargs"),  # torch's source (inspect)
+    re.compile(r"^<Figure size \d+x\d+ with \d+ Axes>$"),              # matplotlib's repr of a figure
+    re.compile(r"^\s*def \w+\(self\b"),                                  # torch's source (inspect)
+    re.compile(r"^Self (CPU|CUDA) time total:"),                       # torch.profiler's table footer
+    re.compile(r"^func: \w+ \| args: .* \| keywords: "),                # a functools.partial's own attributes
+    re.compile(r"<All keys matched successfully>"),                    # load_state_dict's result
+    re.compile(r"^type -> Hi, there!$"),                               # a metaclass's name and the demo's greeting
     re.compile(r"failed \(exitcode: -?\d+\)"),                          # torchrun's log
     re.compile(r"Cuda compilation tools, release"),                    # nvcc --version
     re.compile(r"platform_system|python_version|sys_platform"),       # a requirement's environment marker
@@ -80,7 +88,7 @@ def untranslated(nb: dict) -> list[str]:
     found = []
     for cell_id, line in printed_lines(nb):
         words = english_words(line)
-        if (CJK.search(line) and words) or (not CJK.search(line) and len(words) >= 3):
+        if (CJK.search(line) and words) or (not CJK.search(line) and len(words) >= 2):
             found.append(f"cell {cell_id}: {line.strip()[:140]}  <- {' '.join(words[:6])}")
     return found
 
@@ -102,9 +110,13 @@ def test_the_detector_sees_mixed_and_english_lines_and_spares_names():
         "README 中的“strong scaling”（强扩展）\n",                      # a quoted term
         "938 img/s，硬件 1 块 A100 [NVIDIA A100 datasheet; NVIDIA, 2022-05: https://x.y/z]\n",  # cited inline
         "并设置了 MASTER_ADDR and MASTER_PORT\n",                       # mixed
+        ".cpu()       (nothing recorded)\n",                            # English words in parentheses
+        "AsFactor -> refused: WeightsUnpickler error\n",                   # a word before a colon is a word
+        "cuda:0 (f(x)) [1]\n",                                              # code: fine
     ]}]}]}
     found = untranslated(nb)
-    assert len(found) == 3 and "batch" in found[0] and "loss" in found[1] and "and" in found[2], found
+    assert len(found) == 5 and "batch" in found[0] and "loss" in found[1] and "and" in found[2], found
+    assert "nothing recorded" in found[3] and "refused" in found[4], found
 
 
 # Columns that count characters, not display width: a Chinese character is two columns wide, so a table padded

@@ -9,6 +9,9 @@ this rank's half of a global batch follows: the forward all-gathers each layer's
 averaged gradient of its own shard only, and the optimizer updates that shard. Rank 0 then gathers the full weights
 and compares them with one plain step on the whole global batch in one process. With `--checkpoint DIR` every rank
 also saves its shards there with `torch.distributed.checkpoint`. Rank 0 writes the figures (JSON).
+
+The log of collectives (`"collectives"` in the JSON) is written in the language course_utils speaks (the launching
+kernel's, through `COURSE_UTILS_LANG`); `phases(log)` and `collective_bytes(lines, name)` read it in either language.
 """
 from __future__ import annotations
 
@@ -24,7 +27,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from course_utils import distributed
-from course_utils.i18n import _
+from course_utils.i18n import LANGUAGES, N_, _, speaking
 
 
 def build_mlp() -> nn.Sequential:
@@ -37,6 +40,33 @@ def global_batch(size: int = 32):
     return torch.randn(size, 1, 28, 28, generator=g), torch.randint(0, 10, (size,), generator=g)
 
 
+FORWARD_DONE = N_("forward done")
+BACKWARD_DONE = N_("backward done")
+COLLECTIVE_LINE = N_("{collective} {bytes} bytes in")  # the name and the byte count stay the first two words
+
+
+def _in_every_language(message: str) -> set[str]:
+    texts = set()
+    for language in LANGUAGES:
+        with speaking(language):
+            texts.add(_(message))
+    return texts
+
+
+def phases(log: list[str]) -> tuple[list[str], list[str]]:
+    """(the collectives before the forward's end, those between it and the backward's end) of a `collectives` log,
+    written in any language course_utils speaks."""
+    forward_done, backward_done = _in_every_language(FORWARD_DONE), _in_every_language(BACKWARD_DONE)
+    end_forward = next(i for i, line in enumerate(log) if line in forward_done)
+    end_backward = next(i for i, line in enumerate(log) if i > end_forward and line in backward_done)
+    return log[:end_forward], log[end_forward + 1:end_backward]
+
+
+def collective_bytes(lines: list[str], collective: str) -> list[int]:
+    """The byte counts of the `collective` ("all_gather" or "reduce_scatter") lines among `lines`, sorted."""
+    return sorted(int(line.split()[1]) for line in lines if line.split()[0] == collective)
+
+
 def one_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor, log: list | None = None) -> None:
     """One SGD step; with `log`, the collectives FSDP launched so far are appended after the forward and after the
     backward."""
@@ -44,10 +74,10 @@ def one_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor, log: list | Non
     optimizer.zero_grad()
     loss = nn.functional.cross_entropy(model(x), y)
     if log is not None:
-        log.append("forward done")
+        log.append(_(FORWARD_DONE))
     loss.backward()
     if log is not None:
-        log.append("backward done")
+        log.append(_(BACKWARD_DONE))
     optimizer.step()
 
 
@@ -67,7 +97,8 @@ class CountCollectives:
 
     def _logged(self, name, fn):
         def wrapper(output, input, *args, **kwargs):
-            self.log.append(f"{name.replace('_single', '')} {input.numel() * input.element_size()} bytes in")
+            self.log.append(_(COLLECTIVE_LINE).format(collective=name.replace("_single", ""),
+                                                      bytes=input.numel() * input.element_size()))
             return fn(output, input, *args, **kwargs)
         return wrapper
 

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ..i18n import _, pad
+from ..i18n import N_, _, pad
 from ..step import optimizer_params
 from .sizes import CUDA_BLOCK_BYTES, BytesLike, _round_up, format_bytes, parse_bytes
 
@@ -290,26 +290,37 @@ def _role_tensors(modules: Iterable[nn.Module], optimizers: Iterable[torch.optim
 
 # --- the simulated GPU -------------------------------------------------------------------
 
-def _oom_message(grown: int, before: int, budget: int) -> str:
+# The remark after the CUDA-worded message, in the current language (in Chinese too: read the CUDA part alone from
+# the error's `cuda_message`, not by looking for this remark's English words).
+SIMULATED_REMARK = N_("(Simulated by course_utils.memory.SimulatedGPU on the CPU: no real GPU was involved.)")
+
+
+def _cuda_oom_message(grown: int, before: int, budget: int) -> str:
     """The out-of-memory message, worded as CUDA's caching allocator words it (c10/cuda/CUDACachingAllocator.cpp),
     so code and people that read CUDA's message read this one; a simulated GPU has no other processes and no cache.
-    That part stays in English in every language (it is PyTorch's text, and notebooks parse it); only the remark
-    after it is translated, and it keeps its English start " (Simulated by", which notebook 05 looks for. (Built
-    here, apart from the `raise`, so that a traceback's last frame shows the raise and nothing else.)"""
+    It stays in English in every language (it is PyTorch's text, and notebooks parse it)."""
     size = partial(format_bytes, english=True)
     return (f"CUDA out of memory. Tried to allocate {size(grown)}. GPU 0 has a total capacity of "
             f"{size(budget)} of which {size(max(budget - before, 0))} is free. "
             f"Of the allocated memory {size(before)} is allocated by PyTorch, and 0 bytes is reserved by "
-            "PyTorch but unallocated. "
-            + _("(Simulated by course_utils.memory.SimulatedGPU on the CPU: no real GPU was involved.)"))
+            "PyTorch but unallocated.")
+
+
+def _oom_message(grown: int, before: int, budget: int) -> str:
+    """The simulated GPU's whole message: the CUDA-worded one, then `SIMULATED_REMARK` (translated). (Built here,
+    apart from the `raise`, so that a traceback's last frame shows the raise and nothing else.)"""
+    return _cuda_oom_message(grown, before, budget) + " " + _(SIMULATED_REMARK)
 
 
 class SimulatedOutOfMemoryError(torch.OutOfMemoryError):
     """A `torch.OutOfMemoryError` raised by `SimulatedGPU`: caught by `except torch.OutOfMemoryError`
-    (and `torch.cuda.OutOfMemoryError`, the same class), and its message starts like CUDA's."""
+    (and `torch.cuda.OutOfMemoryError`, the same class), and its message starts like CUDA's. `cuda_message` is
+    that CUDA-worded part alone (English in every language), without the remark that says it was simulated."""
 
-    def __init__(self, message: str, requested: int = 0, allocated: int = 0, budget: int = 0):
+    def __init__(self, message: str, requested: int = 0, allocated: int = 0, budget: int = 0,
+                 cuda_message: str | None = None):
         super().__init__(message)
+        self.cuda_message = message if cuda_message is None else cuda_message
         self.requested = requested
         self.allocated = allocated
         self.budget = budget
@@ -500,8 +511,8 @@ class SimulatedGPU:
         if before + grown <= self.budget:
             return
         self.oom_count += 1
-        raise SimulatedOutOfMemoryError(_oom_message(grown, before, self.budget),
-                                        requested=grown, allocated=before, budget=self.budget)
+        raise SimulatedOutOfMemoryError(_oom_message(grown, before, self.budget), requested=grown, allocated=before,
+                                        budget=self.budget, cuda_message=_cuda_oom_message(grown, before, self.budget))
 
     def __repr__(self) -> str:
         template = (_("SimulatedGPU({budget}, active: {allocated} allocated, peak {peak})") if self._mode is not None

@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader
 from ..amp import MixedPrecision
 from ..data import TensorLoader
 from ..device import as_device
-from ..i18n import _
+from ..i18n import N_, _
 from ..models import CifarCNN
 from ..step import TrainStep
 from ..timing import measure, synchronize
@@ -196,40 +196,51 @@ def train_throughput(device, data, config: LoopConfig = NAIVE, *, images: int = 
 class Rung:
     """One rung of the ladder: `rung(device, data, **kwargs)` trains its loop (`config`) and returns images per
     second (`train_throughput`; kwargs: images, repeats, warmup_steps, seed, batch_size)."""
-    name: str
-    label: str                    # short, for tables and charts
+    name: str                     # its key, the same in every language (results, reference figures)
+    english_label: str            # short, for tables and charts: shown as `label`, in the current language
     config: LoopConfig            # the loop it runs (its batch size and precision: `train_step_flops`, MFU)
-    doc: str                      # what it changes from the rung before
+    english_doc: str              # what it changes from the rung before: shown as `doc`, in the current language
     cuda_only: bool = False
     compiles: bool = False
+
+    @property
+    def label(self) -> str:
+        """The short label, for tables and charts, in the current language."""
+        return _(self.english_label)
+
+    @property
+    def doc(self) -> str:
+        """What this rung changes from the one before, in the current language."""
+        return _(self.english_doc)
 
     def __call__(self, device, data, **kwargs) -> float:
         return train_throughput(device, data, self.config, **kwargs)
 
 
-naive = Rung("naive", "DataLoader, batch 64,\n.item() every step", NAIVE,
-             "the usual first loop: DataLoader (batch 64, no workers), `.to(device)` per batch, `loss.item()` "
-             "every step")
-no_item_sync = Rung("no_item_sync", "no .item() per step", NO_ITEM,
-                    "the loss summed on the device and read once per chunk instead of every step")
-pinned_memory = Rung("pinned_memory", "pinned memory +\nnon_blocking", PINNED,
-                     "`pin_memory=True` and `non_blocking=True` copies (CUDA only)", cuda_only=True)
-resident_data = Rung("resident_data", "data on the device\n(TensorLoader)", RESIDENT,
-                     "the whole dataset copied to the device once; batches come from `TensorLoader` (no DataLoader)")
-big_batch = Rung("big_batch", "batch 256", BIG_BATCH, "batch 256: fewer, larger steps")
+naive = Rung("naive", N_("DataLoader, batch 64,\n.item() every step"), NAIVE,
+             N_("the usual first loop: DataLoader (batch 64, no workers), `.to(device)` per batch, `loss.item()` "
+             "every step"))
+no_item_sync = Rung("no_item_sync", N_("no .item() per step"), NO_ITEM,
+                    N_("the loss summed on the device and read once per chunk instead of every step"))
+pinned_memory = Rung("pinned_memory", N_("pinned memory +\nnon_blocking"), PINNED,
+                     N_("`pin_memory=True` and `non_blocking=True` copies (CUDA only)"), cuda_only=True)
+resident_data = Rung("resident_data", N_("data on the device\n(TensorLoader)"), RESIDENT,
+                     N_("the whole dataset copied to the device once; batches come from `TensorLoader` "
+                        "(no DataLoader)"))
+big_batch = Rung("big_batch", N_("batch 256"), BIG_BATCH, N_("batch 256: fewer, larger steps"))
 channels_last = Rung("channels_last", "channels_last", CHANNELS_LAST,
-                     "model and inputs in channels_last (NHWC) memory format")
+                     N_("model and inputs in channels_last (NHWC) memory format"))
 cudnn_benchmark = Rung("cudnn_benchmark", "cudnn.benchmark", CUDNN_BENCHMARK,
-                       "`torch.backends.cudnn.benchmark = True` (CUDA only): cuDNN times its convolution algorithms "
-                       "for each new input shape (during the warm-up steps) and keeps the fastest", cuda_only=True)
-tf32 = Rung("tf32", "TF32 matmuls", TF32,
-            "`torch.set_float32_matmul_precision('high')` (CUDA only): float32 matmuls run on TF32 tensor cores "
-            "(Ampere and newer); cuDNN convolutions may use TF32 already (`torch.backends.cudnn.allow_tf32`)",
+                       N_("`torch.backends.cudnn.benchmark = True` (CUDA only): cuDNN times its convolution algorithms "
+                       "for each new input shape (during the warm-up steps) and keeps the fastest"), cuda_only=True)
+tf32 = Rung("tf32", N_("TF32 matmuls"), TF32,
+            N_("`torch.set_float32_matmul_precision('high')` (CUDA only): float32 matmuls run on TF32 tensor cores "
+            "(Ampere and newer); cuDNN convolutions may use TF32 already (`torch.backends.cudnn.allow_tf32`)"),
             cuda_only=True)
-mixed_precision = Rung("mixed_precision", "mixed precision", MIXED,
-                       "`torch.amp` autocast (bf16 on CPUs and recent GPUs, fp16 + GradScaler otherwise)")
+mixed_precision = Rung("mixed_precision", N_("mixed precision"), MIXED,
+                       N_("`torch.amp` autocast (bf16 on CPUs and recent GPUs, fp16 + GradScaler otherwise)"))
 compiled = Rung("compiled", "torch.compile", COMPILED,
-                "`torch.compile(model)`; the warm-up steps pay for the compilation", compiles=True)
+                N_("`torch.compile(model)`; the warm-up steps pay for the compilation"), compiles=True)
 
 # in ladder order: each rung adds its one change to the one before (pinned_memory is a side step from no_item_sync)
 RUNGS: tuple[Rung, ...] = (naive, no_item_sync, pinned_memory, resident_data, big_batch, channels_last,
@@ -253,7 +264,7 @@ class LadderResult:
 
     def to_dict(self) -> dict:
         return {"device": self.device, "images_per_s": dict(self.images_per_s), "ratios": self.ratios(),
-                "labels": {r.name: r.label.replace("\n", " ") for r in RUNGS},
+                "labels": {r.name: r.english_label.replace("\n", " ") for r in RUNGS},  # data: English
                 "skipped": dict(self.skipped), "errors": dict(self.errors)}
 
 

@@ -132,7 +132,7 @@ def matmul_peak_sweep(sizes, device="cpu", precision: str = "float32", *, repeat
 
 def conv_sweep(device="cpu", precision: str = "float32", batch_sizes=(64, 256), *, repeats: int = 5,
                min_run_time: float = 0.05) -> dict[str, float]:
-    """{"conv2, batch 64": GFLOP/s, ...}: the forward pass of each of `CifarCNN`'s convolutions, alone, at each
+    """{"conv2, batch=64": GFLOP/s, ...}: the forward pass of each of `CifarCNN`'s convolutions, alone, at each
     batch size, in `precision` (as `matmul_peak_sweep`; under "tf32" cuDNN convolutions follow
     `torch.backends.cudnn.allow_tf32`, True by default). Convolutions and matrix products go through different
     libraries, and one may reach more of the chip than the other: notebook 04 takes the best of both as the peak."""
@@ -155,7 +155,7 @@ def conv_sweep(device="cpu", precision: str = "float32", batch_sizes=(64, 256), 
                 x = x.to(device, dtype)
                 m = measure(lambda: F.conv2d(x, weight, bias, padding=1), device=device, warmup=2, repeats=repeats,
                             min_run_time=min_run_time)
-                out[f"conv{i}, batch {bs}"] = flops_per_image * bs / m.median / 1e9
+                out[f"conv{i}, batch={bs}"] = flops_per_image * bs / m.median / 1e9
     return out
 
 
