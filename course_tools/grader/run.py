@@ -301,17 +301,12 @@ class _Grading:
 
         class Client(NotebookClient):
             def process_message(self, msg, cell, cell_index):
-                grading.output_bytes += _message_size(msg)  # every message counts: output, widgets, errors
-                malformed = _malformed(msg)  # sent by the learner's code on purpose: counted, dropped, noted
-                grading.malformed += malformed
-                if grading.output_bytes > limits.output:
-                    if not grading.over_cap:
-                        grading.over_cap = True
-                        grading._kill()
-                    if not malformed and msg["msg_type"] == "status" and msg["content"]["execution_state"] == "idle":
+                usable = grading._account(msg)
+                if grading.over_cap:
+                    if usable and msg["msg_type"] == "status" and msg["content"]["execution_state"] == "idle":
                         return super().process_message(msg, cell, cell_index)
                     return None
-                if malformed:
+                if not usable:
                     return None
                 try:
                     return super().process_message(msg, cell, cell_index)
@@ -423,6 +418,18 @@ class _Grading:
                 [f"printed the reference solution of {ex_id} (solution())"] if ex_id in self.printed_solutions
                 else []) + tamper))
 
+    def _account(self, msg: dict) -> bool:
+        """Count a kernel message against the output cap (every message: output, widgets, errors; the kernel is
+        stopped once over it) and note a malformed one (sent by the learner's code on purpose: counted, dropped,
+        noted). True when the message may be used."""
+        self.output_bytes += _message_size(msg)
+        if self.output_bytes > self.limits.output and not self.over_cap:
+            self.over_cap = True
+            self._kill()
+        malformed = _malformed(msg)
+        self.malformed += malformed
+        return not malformed
+
     async def _check(self, client, cell, meta) -> None:
         """Ask the kernel to check one exercise through a comm message (no IPython hook runs for it) and keep its
         printed output in `cell.outputs`. Its time limit is the check's own plus 30 s, within the notebook's."""
@@ -449,13 +456,10 @@ class _Grading:
             header = reply.get("parent_header")
             if not isinstance(header, dict) or header.get("msg_id") != parent:
                 continue
-            self.output_bytes += _message_size(reply)
-            if self.output_bytes > limits.output:
-                self.over_cap = True
-                self._kill()
+            usable = self._account(reply)
+            if self.over_cap:
                 raise DeadKernelError("output cap")
-            if _malformed(reply):
-                self.malformed += 1
+            if not usable:
                 continue
             content = reply["content"]
             if reply["msg_type"] == "stream" and content.get("name") == "stdout":

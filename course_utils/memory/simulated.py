@@ -298,7 +298,8 @@ SIMULATED_REMARK = N_("(Simulated by course_utils.memory.SimulatedGPU on the CPU
 def _cuda_oom_message(grown: int, before: int, budget: int) -> str:
     """The out-of-memory message, worded as CUDA's caching allocator words it (c10/cuda/CUDACachingAllocator.cpp),
     so code and people that read CUDA's message read this one; a simulated GPU has no other processes and no cache.
-    It stays in English in every language (it is PyTorch's text, and notebooks parse it)."""
+    It stays in English in every language (it is PyTorch's text, and notebooks parse it). (Built here, apart from
+    the `raise`, so that a traceback's last frame shows the raise and nothing else.)"""
     size = partial(format_bytes, english=True)
     return (f"CUDA out of memory. Tried to allocate {size(grown)}. GPU 0 has a total capacity of "
             f"{size(budget)} of which {size(max(budget - before, 0))} is free. "
@@ -306,21 +307,14 @@ def _cuda_oom_message(grown: int, before: int, budget: int) -> str:
             "PyTorch but unallocated.")
 
 
-def _oom_message(grown: int, before: int, budget: int) -> str:
-    """The simulated GPU's whole message: the CUDA-worded one, then `SIMULATED_REMARK` (translated). (Built here,
-    apart from the `raise`, so that a traceback's last frame shows the raise and nothing else.)"""
-    return _cuda_oom_message(grown, before, budget) + " " + _(SIMULATED_REMARK)
-
-
 class SimulatedOutOfMemoryError(torch.OutOfMemoryError):
     """A `torch.OutOfMemoryError` raised by `SimulatedGPU`: caught by `except torch.OutOfMemoryError`
     (and `torch.cuda.OutOfMemoryError`, the same class), and its message starts like CUDA's. `cuda_message` is
-    that CUDA-worded part alone (English in every language), without the remark that says it was simulated."""
+    that CUDA-worded part alone (English in every language); the message adds `SIMULATED_REMARK`, translated."""
 
-    def __init__(self, message: str, requested: int = 0, allocated: int = 0, budget: int = 0,
-                 cuda_message: str | None = None):
-        super().__init__(message)
-        self.cuda_message = message if cuda_message is None else cuda_message
+    def __init__(self, cuda_message: str, requested: int = 0, allocated: int = 0, budget: int = 0):
+        super().__init__(cuda_message + " " + _(SIMULATED_REMARK))
+        self.cuda_message = cuda_message
         self.requested = requested
         self.allocated = allocated
         self.budget = budget
@@ -511,8 +505,8 @@ class SimulatedGPU:
         if before + grown <= self.budget:
             return
         self.oom_count += 1
-        raise SimulatedOutOfMemoryError(_oom_message(grown, before, self.budget), requested=grown, allocated=before,
-                                        budget=self.budget, cuda_message=_cuda_oom_message(grown, before, self.budget))
+        raise SimulatedOutOfMemoryError(_cuda_oom_message(grown, before, self.budget), requested=grown,
+                                        allocated=before, budget=self.budget)
 
     def __repr__(self) -> str:
         template = (_("SimulatedGPU({budget}, active: {allocated} allocated, peak {peak})") if self._mode is not None
