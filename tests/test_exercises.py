@@ -7,6 +7,9 @@
    rejected with feedback that names the mistake.
 5. Fuzz: whatever the answer (None, wrong types, raising or slow callables), a checker gives feedback
    and never raises or hangs.
+6. Judged from the record: every verdict above is the same when the checker runs once with the answer, recording
+   what the learner's code produced (`record`, as in the grader's sandboxed kernel), and once more without it,
+   judging from that record alone (`judge`, as in the grader's own process).
 """
 from pathlib import Path
 
@@ -15,7 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from course_tools.solve import exercise_cells, solve_notebook
-from course_utils.exercises import CORRECT, INCORRECT, NOT_ATTEMPTED, evaluate, load_all
+from course_utils.exercises import CORRECT, INCORRECT, NOT_ATTEMPTED, evaluate, judge, load_all, record
 from course_utils.exercises.core import describe
 from course_utils.i18n import N_, _, speaking
 
@@ -59,17 +62,27 @@ def test_solving_replaces_every_blank():
             assert REGISTRY[ex_id].solution in solved.cells[i].source
 
 
+def verdict(ex, code: str):
+    """The Result of `code` checked in one process, after proving that the same Result comes from the record of a
+    second run, judged where the answer does not exist (the grader's split)."""
+    direct = evaluate(ex.id, run(ex, code))
+    judged = judge(ex.id, record(ex.id, run(ex, code)))
+    assert (judged.status, judged.message, judged.crashed) == (direct.status, direct.message, direct.crashed), (
+        ex.id, code, direct, judged)
+    return direct
+
+
 @pytest.mark.parametrize("ex_id", IDS)
 def test_blank_is_not_attempted(ex_id):
     ex = REGISTRY[ex_id]
-    result = evaluate(ex_id, run(ex, ex.blank))
+    result = verdict(ex, ex.blank)
     assert result.status == NOT_ATTEMPTED, result
 
 
 @pytest.mark.parametrize("ex_id", IDS)
 def test_solution_passes(ex_id):
     ex = REGISTRY[ex_id]
-    result = evaluate(ex_id, run(ex, ex.solution))
+    result = verdict(ex, ex.solution)
     assert result.status == CORRECT, result
 
 
@@ -79,7 +92,7 @@ def test_common_mistakes_get_their_feedback(ex_id):
     assert len(ex.mistakes) >= 3, f"{ex_id} lists {len(ex.mistakes)} common mistakes; every exercise needs three"
     assert ex.hints, f"{ex_id} has no hints"
     for mistake in ex.mistakes:
-        result = evaluate(ex_id, run(ex, mistake.code))
+        result = verdict(ex, mistake.code)
         assert result.status == INCORRECT, (mistake.code, result)
         assert mistake.feedback in result.message, (mistake.code, result.message)
 
@@ -134,8 +147,9 @@ answers = st.one_of(
 )
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(ex_id=st.sampled_from(IDS), answer=answers)
+@pytest.mark.parametrize("ex_id", IDS)
+@settings(max_examples=5, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(answer=answers)
 def test_fuzz_checkers_never_crash(ex_id, answer):
     """Any odd answer gets feedback from the checker itself: an exception that escapes the checker from its own
     code (not from the learner's answer) is a checker bug, even though `evaluate` still turns it into a line."""
@@ -143,6 +157,8 @@ def test_fuzz_checkers_never_crash(ex_id, answer):
     assert result.status in (CORRECT, INCORRECT, NOT_ATTEMPTED)
     assert isinstance(result.message, str) and result.message
     assert not result.crashed, (ex_id, describe(answer), result.message)
+    judged = judge(ex_id, record(ex_id, answer, timeout=3))
+    assert (judged.status, judged.crashed) == (result.status, False), (ex_id, describe(answer), result, judged)
 
 
 @pytest.mark.parametrize("ex_id", IDS)

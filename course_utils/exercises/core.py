@@ -17,27 +17,18 @@ import copy
 import importlib
 import os
 import signal
-import sysconfig
 import threading
 import traceback
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from ..i18n import N_, _
+from .probe import ABSENT as ABSENT_ANSWER
+from .probe import (AnswerTimeout, Incorrect, Interfered, NotAttempted, OutOfReach, decode, describe, encode, finish,
+                    leftover, observe, raised_in_course_code, recording, replaying, short)
 
 NOT_ATTEMPTED, CORRECT, INCORRECT = "not attempted", "correct", "incorrect"
-
-
-class Incorrect(Exception):
-    """Raised by a checker with the feedback for a wrong answer."""
-
-
-class NotAttempted(Exception):
-    """The answer is still the blank."""
-
-
-class AnswerTimeout(Exception):
-    """The learner's code ran longer than the exercise allows."""
+INTERFERED = "interfered"  # only from `judge`: the record of the learner's code does not match the checker
 
 
 @dataclass
@@ -59,6 +50,7 @@ class Exercise:
     mistakes: list[Mistake] = field(default_factory=list)
     setup: str = ""              # what the cell relies on from earlier cells (imports, definitions)
     timeout: float = 10.0        # seconds the learner's code may take in total
+    inside: str = ""             # what the verdict takes from measurements in the learner's process (host reads)
 
 
 @dataclass
@@ -113,28 +105,7 @@ def call(fn, *args, name: str | None = None, check_mutation: bool = True, **kwar
     return out
 
 
-def describe(value) -> str:
-    """A short description of a value for feedback: type and a glimpse."""
-    try:
-        import torch
-        if isinstance(value, torch.Tensor):
-            return _("a tensor of shape {shape}, dtype {dtype}, on {device}").format(
-                shape=tuple(value.shape), dtype=value.dtype, device=value.device)
-    except ImportError:  # pragma: no cover
-        pass
-    if value is None:
-        return _("None (did you forget a `return`?)")
-    if value is ...:
-        return _("... (the blank)")
-    return f"{type(value).__name__} {_short(value)}"
-
-
-def _short(value, limit: int = 60) -> str:
-    try:
-        text = repr(value)
-    except Exception:
-        text = f"<{type(value).__name__}>"
-    return text if len(text) <= limit else text[: limit - 3] + "..."
+_short = short
 
 
 def _snapshot(value):
@@ -213,57 +184,71 @@ def get(exercise_id: str) -> Exercise:
         raise KeyError(_("no exercise {id!r}; known exercises: {known}").format(id=exercise_id, known=known)) from None
 
 
-_COURSE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
-_LIBRARY_DIRS = tuple({sysconfig.get_paths()[k] + os.sep for k in ("stdlib", "purelib", "platlib")})
-
-
-def _raised_in_course_code(frames: traceback.StackSummary) -> bool:
-    """Whether an exception came from course code (a checker's own line) rather than from the learner's answer:
-    the innermost frame that is not Python's library or an installed package (torch raising on what a checker
-    passed it counts as that checker's line) decides."""
-    for frame in reversed(frames):
-        name = frame.filename
-        if name.startswith("<frozen"):
-            continue
-        path = os.path.abspath(name) if not name.startswith("<") else name
-        if path.startswith(_COURSE_DIR):
-            return True
-        if not path.startswith(_LIBRARY_DIRS):
-            return False  # a notebook cell, a script: the learner's code
-    return True
-
-
 def evaluate(exercise_id: str, answer, timeout: float | None = None) -> Result:
     """Check `answer` and return a Result; never raises for anything the answer does."""
+    return _verdict(exercise_id, answer, timeout)[0]
+
+
+def _verdict(exercise_id: str, answer, timeout: float | None) -> tuple[Result, bool]:
+    """The Result, and whether the deadline stopped the check."""
     try:
         ex = get(str(exercise_id))
     except KeyError as exc:
-        return Result(INCORRECT, str(exc.args[0]))
-    if answer is ...:
-        return Result(NOT_ATTEMPTED, _("replace the `...` (or the `raise NotImplementedError`) with your answer, "
-                                       "then run the cell again"))
+        return Result(INCORRECT, str(exc.args[0])), False
     seconds = ex.timeout if timeout is None else timeout
     try:
         with _Deadline(seconds):
+            if observe(lambda: answer is ...):
+                return Result(NOT_ATTEMPTED, _("replace the `...` (or the `raise NotImplementedError`) with your "
+                                               "answer, then run the cell again")), False
             remark = ex.checker(answer)
     except NotAttempted:
         return Result(NOT_ATTEMPTED, _("your code still raises NotImplementedError: replace that line with your "
-                                       "answer, then run the cell again"))
+                                       "answer, then run the cell again")), False
     except Incorrect as exc:
-        return Result(INCORRECT, str(exc))
+        return Result(INCORRECT, str(exc)), False
     except AnswerTimeout:
         return Result(INCORRECT, _("your answer took longer than {seconds:g} s, so the check stopped it; look for "
-                                   "a loop that never ends or work repeated far too often").format(seconds=seconds))
+                                   "a loop that never ends or work repeated far too often").format(seconds=seconds)), True
     except RecursionError:
-        return Result(INCORRECT, _("your answer recursed without end (RecursionError): does a method call itself?"))
+        return Result(INCORRECT, _("your answer recursed without end (RecursionError): does a method call itself?")), False
+    except Interfered as exc:
+        return Result(INTERFERED, str(exc)), False
     except Exception as exc:  # raised by the answer, or the answer broke an assumption of the checker
         frames = traceback.extract_tb(exc.__traceback__)
+        line = getattr(exc, "replayed_line", None) or frames[-1].lineno
+        crashed = getattr(exc, "replayed_crashed", None)
+        if isinstance(exc, OutOfReach):  # only in a judgement: the checker itself is wrong
+            return Result(INCORRECT, str(exc), crashed=True), False
         return Result(INCORRECT, _("checking your answer failed with {error}: {message} (your answer is {answer}; "
                                    "line {line} of the checker)").format(error=type(exc).__name__, message=exc,
-                                                                         answer=describe(answer),
-                                                                         line=frames[-1].lineno),
-                      crashed=_raised_in_course_code(frames))
-    return Result(CORRECT, remark or _("well done"))
+                                                                         answer=observe(lambda: describe(answer)),
+                                                                         line=line),
+                      crashed=raised_in_course_code(frames) if crashed is None else crashed), False
+    return Result(CORRECT, remark or _("well done")), False
+
+
+def record(exercise_id: str, answer, timeout: float | None = None) -> bytes:
+    """Check `answer` as `evaluate` does and return the record of what the learner's code produced (run in the
+    learner's kernel by the class grader; `judge` reads it)."""
+    with recording() as log:
+        _, timed_out = _verdict(exercise_id, answer, timeout)
+        finish(log, "timeout" if timed_out else "done")
+    return encode(log)
+
+
+def judge(exercise_id: str, data: bytes, timeout: float | None = None) -> Result:
+    """The verdict on a record from `record`, decided here: the checker runs again with every observation read
+    from the record (no learner code runs). A record that does not decode or does not match is INTERFERED."""
+    try:
+        log = decode(data)
+    except Interfered as exc:
+        return Result(INTERFERED, str(exc))
+    with replaying(log) as session:
+        result = evaluate(exercise_id, ABSENT_ANSWER, timeout)
+        if result.status != INTERFERED and leftover(session):
+            return Result(INTERFERED, _("the record holds more than the checker asked for"))
+    return result
 
 
 _ICONS = {CORRECT: N_("[correct]"), INCORRECT: N_("[not yet]"), NOT_ATTEMPTED: N_("[not attempted yet]")}

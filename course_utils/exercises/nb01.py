@@ -15,15 +15,15 @@ import torch
 
 from ..i18n import N_, _
 from .core import Exercise, Incorrect, Mistake, call, describe, register
+from .probe import hold, observe
 
 
 # --- shared helpers ---------------------------------------------------------------------------
 
-def _require_class(answer, name: str) -> type:
+def _require_class(answer, name: str) -> None:
     if not isinstance(answer, type):
         raise Incorrect(_("{name} should be a class (written with `class {name}:`), got {value}").format(
             name=name, value=describe(answer)))
-    return answer
 
 
 def _as_float(value, label: str) -> float:
@@ -42,15 +42,17 @@ def _close(a: float, b: float, tol: float = 1e-9) -> bool:
 # --- 01.1 a callable class --------------------------------------------------------------------
 
 def _check_scale(Scale):
-    _require_class(Scale, "Scale")
-    s = call(Scale, 3, name="Scale")
-    if not callable(s):
-        if "__call__" in getattr(s, "__dict__", {}):
+    # Every use of the learner's code goes through observe() (plain data back) or hold() (the object, for later
+    # observe() calls only): the grader judges from the record of these, in a process where no learner code runs.
+    observe(lambda: _require_class(Scale, "Scale"))
+    s = hold(lambda: call(Scale, 3, name="Scale"))
+    if not observe(lambda: callable(s)):
+        if observe(lambda: "__call__" in getattr(s, "__dict__", {})):
             raise Incorrect(_("Scale(3) has an instance attribute named __call__, yet callable(Scale(3)) is False: "
                               "likely mistake: special methods are looked up on the type, not on the instance; "
                               "define `def __call__(self, x):` in the class body"))
         raise Incorrect(_("Scale(3) is not callable: define a method `__call__(self, x)` in the class body"))
-    out = call(s, 2, name="Scale(3)")
+    out = observe(lambda: call(s, 2, name="Scale(3)"))
     if out is None:
         raise Incorrect(_("Scale(3)(2) returned None: likely mistake: printing the result instead of returning it"))
     value = _as_float(out, "Scale(3)(2)")
@@ -59,12 +61,12 @@ def _check_scale(Scale):
                           "(use self.factor)"))
     if value != 6:
         raise Incorrect(_("Scale(3)(2) should be 6, got {value!r}").format(value=out))
-    half = call(call(Scale, 0.5, name="Scale"), 4, name="Scale(0.5)")
+    half = observe(lambda: call(call(Scale, 0.5, name="Scale"), 4, name="Scale(0.5)"))
     half_value = _as_float(half, "Scale(0.5)(4)")
     if half_value == 12.0:
         raise Incorrect(_("Scale(0.5)(4) returned 12, that is 4 * 3: likely mistake: the factor 3 is written in "
                           "__call__; multiply by self.factor, the factor this instance was created with"))
-    again = _as_float(call(s, 2, name="Scale(3)"), "Scale(3)(2)")
+    again = _as_float(observe(lambda: call(s, 2, name="Scale(3)")), "Scale(3)(2)")
     if again != 6:
         raise Incorrect(_("Scale(3)(2) returned 6 at first, but {value!r} once Scale(0.5) had been created: likely "
                           "mistake: the factor is kept on the class (Scale.factor = factor), which every instance "
@@ -73,7 +75,7 @@ def _check_scale(Scale):
         raise Incorrect(_("Scale(0.5)(4) should be 2.0, got {value!r}: is the factor stored per instance?").format(
             value=half))
     t = torch.tensor([1.0, -2.0])
-    out_t = call(s, t, name="Scale(3)")
+    out_t = observe(lambda: call(s, t, name="Scale(3)"))
     if not isinstance(out_t, torch.Tensor) or not torch.equal(out_t, t * 3):
         raise Incorrect(_("Scale(3)(tensor([1., -2.])) should be tensor([3., -6.]), got {value}").format(
             value=describe(out_t)))
