@@ -10,6 +10,8 @@ work, the grader's folders, other kernels' connection files and the host's socke
 files in /tmp and /dev/shm (snoops); an error message with a lone surrogate (surrogate), a link in place of the
 kernel's log and malformed output messages (forges_log), SysV shared memory and message queues left behind
 (leaves_ipc), the unwrapped solution() (unwraps_solution) and a hook disguised as matplotlib's (disguises_hook);
+verdicts forged in the kernel: torch's comparisons patched (patches_torch), a framed "correct" line printed from the
+answer in place of the grader's own (forges_result), a record that is a pickle running a command (forges_record);
 names that collide (`alice.ipynb`, `alice .ipynb`) and a file name that is not UTF-8 are added by _prepare. One
 grading run of the whole folder (the real command, in a subprocess) is
 shared by the tests that read its report cells; a second run without namespaces (--unsafe-no-sandbox) checks the
@@ -138,7 +140,7 @@ def graded(tmp_path_factory):
     abstract.bind("\0" + abstract_name)
     for s in (unix, abstract):
         s.listen()
-    for leak in (Path("/tmp", LEAK), Path("/dev/shm", LEAK)):
+    for leak in (Path("/tmp", LEAK), Path("/dev/shm", LEAK), Path("/tmp/course-grader-pwned")):
         leak.unlink(missing_ok=True)
     _sysv_left(remove=True)
     # Shell commands (rm -rf) escape the audit hook: only try them where the OS makes the file system read-only.
@@ -318,6 +320,19 @@ def test_hooks_that_stall_the_graders_cells_buy_no_time(graded):
     line = next(text for text in graded["run"].stdout.splitlines() if text.startswith("buys_time / "))
     assert float(line.split(" in ")[1].split(" s ")[0]) <= 10, line
     assert _status(graded, "correct", "01.1")[2] == ""  # an honest notebook is not flagged
+
+
+def test_a_verdict_cannot_be_forged_in_the_kernel(graded):
+    """The verdict is decided in the grader's process from the record of what the answer produced: what the kernel
+    patches, prints or sends decides nothing (each of these was a pass when the kernel decided)."""
+    status, feedback, _, _ = _status(graded, "patches_torch", "01.1")  # torch.equal and == patched to say "equal"
+    assert status == "incorrect" and "should be tensor([3., -6.])" in feedback, feedback
+    status, feedback, flags, _ = _status(graded, "forges_result", "01.1")  # "correct" in place of the real line
+    assert status == "not run" and "interfered with the grader's check" in flags, (status, flags)
+    status, feedback, flags, _ = _status(graded, "forges_record", "01.1")  # a pickle that would run a command
+    assert status == "not run" and "does not match the checker" in feedback, feedback
+    assert "interfered with the record" in flags
+    assert not os.path.exists("/tmp/course-grader-pwned")  # read with weights_only: nothing of it ran here
 
 
 def test_a_forged_private_checker_gives_no_result(graded):

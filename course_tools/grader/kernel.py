@@ -6,8 +6,10 @@ and signals to the grader, and notes the reference solutions' text run through e
 kernel's IPython hooks as they are, and registers a comm target. After each exercise cell the grader opens a comm
 to that target instead of running a cell: IPython runs no event hook and no input transformer for a comm message.
 The handler first resets the IPython hooks and input transformers to what SETUP saw (what it removes is reported
-as tampering), then checks the answer and prints the result, flags and signs of tampering as one line framed by a
-token made for that call. SETUP is a %-template: `SETUP % {"args": json.dumps({...})}`; a check's comm data is
+as tampering), then runs the checker in recording mode (`course_utils.exercises.record`: what the learner's code
+produced, as plain data) and prints that record, flags and signs of tampering as one line framed by a token made for
+that call. The verdict is not decided here: the grader judges the record in its own process (run.py), where no
+learner code runs, so nothing in this kernel can forge it. SETUP is a %-template: `SETUP % {"args": json.dumps({...})}`; a check's comm data is
 `{"id": ..., "answer": ..., "token": ...}`.
 """
 
@@ -21,10 +23,12 @@ def __course_grader_setup(private, target, exercises_dir, course_dir, workdir, s
     sys.modules[private] = pkg
     spec.loader.exec_module(pkg)
     registry = pkg.load_all()
-    evaluate = pkg.evaluate
+    record = pkg.record
     import course_utils.exercises as public
     import course_utils.exercises.core as public_core
     public.load_all()  # the notebook's own check() then costs the learner's time budget no imports
+    import base64
+    b64 = base64.b64encode
     out, dumps, realpath, isabs, join, readlink, getcwd = (sys.stdout, json.dumps, os.path.realpath,
                                                             os.path.isabs, os.path.join, os.readlink, os.getcwd)
     calls, executed = set(), set()
@@ -138,12 +142,12 @@ def __course_grader_setup(private, target, exercises_dir, course_dir, workdir, s
     # The private copy of the checkers, as loaded: a check that finds it changed gives no result.
     private_core = sys.modules[private + ".core"]
     pristine = {k: (ex, ex.checker, getattr(ex.checker, "__code__", None)) for k, ex in registry.items()}
-    evaluate_code = evaluate.__code__
+    record_code = record.__code__
 
     def private_copy_changed(exercise_id):
         ex, checker, code = pristine.get(exercise_id, (None, None, None))
         return (sys.modules.get(private) is not pkg or sys.modules.get(private + ".core") is not private_core
-                or evaluate.__code__ is not evaluate_code or private_core.REGISTRY.get(exercise_id) is not ex
+                or record.__code__ is not record_code or private_core.REGISTRY.get(exercise_id) is not ex
                 or ex.checker is not checker or getattr(checker, "__code__", None) is not code)
 
     seen_hooks = []
@@ -164,13 +168,12 @@ def __course_grader_setup(private, target, exercises_dir, course_dir, workdir, s
                     status, message = "interfered", ("the notebook's code changed the grader's private copy of the "
                                                      "checkers, so this answer could not be checked")
                 elif answer_name in ns:
-                    result = evaluate(exercise_id, ns[answer_name])
-                    status, message = result.status, result.message
+                    status, message = "recorded", b64(record(exercise_id, ns[answer_name])).decode("ascii")
                 else:
                     status, message = "not attempted", (f"`{answer_name}` is not defined: the exercise's cell did "
                                                         "not define it")
             except BaseException as exc:
-                status, message = "incorrect", f"checking the answer raised {type(exc).__name__}: {exc}"
+                status, message = "incorrect", f"checking the answer raised {type(exc).__name__}: {exc}"[:2000]
             flags = []
             if exercise_id in calls:
                 flags.append(f"called solution({exercise_id!r})")

@@ -175,10 +175,11 @@ td .fb {{ font-size: 0.8em; max-width: 22em; }} .flag {{ font-size: 0.8em; color
 </style></head><body>
 <h1>Grades: {escape(str(self.root))}</h1>
 <p>{len(self.learners)} learners, {len(self.exercises)} exercises; graded {escape(self.generated)} with
-<code>python -m course_tools.grade</code>. Every result comes from the course's own checker, run by the
-grader in the learner's kernel after the learner's cell; the notebooks' saved outputs are ignored. The checker runs
-in the same process as the learner's code: flags (⚑) say what the grader noticed and what it means for the
-result; INSTRUCTORS.md lists what it cannot notice.</p>
+<code>python -m course_tools.grade</code>. Every result comes from the course's own checker: after the
+learner's cell, the grader's kernel-side code records what the learner's code produces for the checker's cases, and
+the verdict is decided from that record in the grader's own process, where no learner code runs; the notebooks'
+saved outputs are ignored. Flags (⚑) say what the grader noticed and what it means for the result; INSTRUCTORS.md
+lists what it cannot prevent.</p>
 <h2>Containment</h2><ul>"""]
         for ok, what, detail in self.containment():
             mark = '<span class="ok">applied</span>' if ok else '<span class="no">NOT applied</span>'

@@ -5,7 +5,7 @@ before the exercise was checked.
 """
 from __future__ import annotations
 
-from course_utils.exercises.core import CORRECT, INCORRECT, NOT_ATTEMPTED
+from course_utils.exercises.core import CORRECT, INCORRECT, INTERFERED, NOT_ATTEMPTED  # noqa: F401
 
 NOT_RUN = "not run"
 RANK = {CORRECT: 0, INCORRECT: 1, NOT_ATTEMPTED: 2, NOT_RUN: 3}  # the best first, where a learner has several

@@ -7,6 +7,7 @@ exercise's framed result, checks the watched folders after each notebook and ret
 from __future__ import annotations
 
 import ast
+import base64
 import json
 import os
 import queue
@@ -18,6 +19,7 @@ import stat
 import sys
 import tempfile
 import time
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -33,7 +35,7 @@ from ..solve import exercise_cells
 from . import kernel
 from .limits import GradeError, Limits, format_size
 from .report import ClassReport
-from .results import INCORRECT, NOT_RUN, RANK, NotebookRun, Outcome
+from .results import INCORRECT, INTERFERED, NOT_ATTEMPTED, NOT_RUN, RANK, NotebookRun, Outcome
 from .sandbox import Sandbox
 from .submissions import Unreadable, find_submissions, notebook_name, read_notebook
 
@@ -46,6 +48,7 @@ NEEDED = sorted({os.path.realpath(p) for p in (sys.prefix, sys.base_prefix, os.p
                                                *os.environ.get("PYTHONPATH", "").split(os.pathsep)) if p})
 # Where the root grader's kernels get a uid of their own (random in [2e9, 3e9), used by no account).
 _KERNEL_UIDS = 2_000_000_000
+_JUDGING = threading.Lock()  # judge() runs one at a time: checkers use torch's global random state
 
 
 class _SetupFailed(Exception):
@@ -577,15 +580,39 @@ class _Grading:
             self.result.outcomes[ex_id] = Outcome(NOT_RUN, str(payload.get("message")), self.result.name,
                                                   ["changed the grader's private checker: no result"])
             return
-        if payload is None or payload.get("id") != ex_id or payload.get("status") not in RANK:
-            self.result.outcomes[ex_id] = Outcome(
-                NOT_RUN, "the grader's check gave no result: the notebook's code interfered with the grader "
-                         "(its own private checker or its output)", self.result.name,
-                ["interfered with the grader's check"])
-            return
-        self.result.outcomes[ex_id] = Outcome(payload["status"], payload["message"], self.result.name,
-                                              payload.get("flags", []))
-        self.tamper += [str(t) for t in payload.get("tamper", [])]  # flagged on every exercise of the notebook
+        status = payload.get("status") if payload and payload.get("id") == ex_id else None
+        # The kernel may only say what it recorded, or a result no better than "incorrect" (the answer is not
+        # defined, the check itself raised): it never decides a pass.
+        if status == "recorded" and isinstance(payload.get("message"), str):
+            outcome = self._judge(ex_id, payload["message"])
+        elif status in (INCORRECT, NOT_ATTEMPTED) and isinstance(payload.get("message"), str):
+            outcome = Outcome(status, payload["message"], self.result.name)
+        else:
+            outcome = Outcome(NOT_RUN, "the grader's check gave no result: the notebook's code interfered with the "
+                                       "grader (its own private checker or its output)", self.result.name,
+                              ["interfered with the grader's check"])
+        outcome.flags += [str(f) for f in payload.get("flags", [])] if payload and outcome.status != NOT_RUN else []
+        self.result.outcomes[ex_id] = outcome
+        if payload:
+            self.tamper += [str(t) for t in payload.get("tamper", [])]  # flagged on every exercise of the notebook
+
+    def _judge(self, ex_id: str, text: str) -> Outcome:
+        """The verdict on what the learner's code produced, decided here, in the grader's process, where no learner
+        code runs (course_utils.exercises.judge); one judgement at a time (checkers use torch's global state)."""
+        try:
+            data = base64.b64decode(text, validate=True)
+        except ValueError:
+            data = b""
+        with _JUDGING:
+            result = exercises.judge(ex_id, data)
+        if result.status == INTERFERED:
+            return Outcome(NOT_RUN, f"no result: the record of what the answer produced does not match the checker "
+                                    f"({result.message}); the notebook's code interfered with the grader's check",
+                           self.result.name, ["interfered with the record of the grader's check"])
+        if result.crashed:
+            return Outcome(NOT_RUN, f"no result: the course's checker failed on this answer ({result.message}); "
+                                    "please report it to the course", self.result.name)
+        return Outcome(result.status, result.message, self.result.name)
 
 
 def grade(submissions, limits: Limits | None = None, jobs: int = 1, progress=None,

@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import importlib
-import os
 import signal
 import threading
 import traceback

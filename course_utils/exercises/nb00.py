@@ -12,6 +12,7 @@ import types
 from ..environment import build_supports_gpu, driver_runs_build
 from ..i18n import N_, _, get_language, speaking
 from .core import Exercise, Incorrect, Mistake, call, describe, register
+from .probe import observe
 
 VERDICTS = ("ok", "cpu-only build", "driver too old", "gpu too old for this build", "gpu too new for this build")
 
@@ -246,15 +247,20 @@ def _names_used(fn) -> set[str]:
     return names
 
 
-def _run_all(fn, name: str = "diagnose_stack") -> list[str]:
+def _direct(fn):
+    return fn()
+
+
+def _run_all(fn, run, name: str = "diagnose_stack") -> list[str]:
     """The verdict of `fn` for every recorded machine, or "!" and what it raised. An answer that is no verdict is
-    feedback at once."""
+    feedback at once. `run` runs each call: observe() for the learner's answer, _direct for the course's own
+    mistakes (worked out wherever the checker runs, the grader's process included)."""
     # core.call's feedback for an exception the answer raised begins so (in the language being spoken)
     raised = _("calling {call} raised {error}: {message}").split("{call}")[0]
     answers = []
     for machine, facts in CASES:
         try:
-            got = call(fn, {**facts, "arch_list": list(facts["arch_list"])}, name=name)
+            got = run(lambda: call(fn, {**facts, "arch_list": list(facts["arch_list"])}, name=name))
         except Incorrect as exc:
             if not str(exc).startswith(raised):  # not an exception of the answer's own (a changed argument)
                 raise
@@ -280,21 +286,21 @@ def _mistake_answers() -> list[list[str]]:
         for mistake in _MISTAKES:
             ns: dict = {}
             exec(compile(mistake.code, "<mistake 00.1>", "exec"), ns)
-            answers.append(_run_all(ns["diagnose_stack"]))
+            answers.append(_run_all(ns["diagnose_stack"], _direct))
         _MISTAKE_ANSWERS[language] = answers
     return _MISTAKE_ANSWERS[language]
 
 
 def _check_diagnose_stack(diagnose_stack):
-    if isinstance(diagnose_stack, type) or not callable(diagnose_stack):
+    if observe(lambda: isinstance(diagnose_stack, type) or not callable(diagnose_stack)):
         raise Incorrect(_("diagnose_stack should be a function (written with `def diagnose_stack(facts):`), got "
-                          "{value}").format(value=describe(diagnose_stack)))
-    helpers = sorted(_names_used(diagnose_stack) & _HELPERS)
+                          "{value}").format(value=observe(lambda: describe(diagnose_stack))))
+    helpers = observe(lambda: sorted(_names_used(diagnose_stack) & _HELPERS))
     if helpers:
         raise Incorrect(_("diagnose_stack calls {helpers}, the checker's answer key: write the rules yourself "
                           "(versions as numbers, the driver's compatibility, the GPU against arch_list)").format(
                               helpers=", ".join(helpers)))
-    answers = _run_all(diagnose_stack)
+    answers = _run_all(diagnose_stack, observe)  # each call of the answer inside observe()
     wrong = [i for i, (got, want) in enumerate(zip(answers, _EXPECTED)) if got != want]
     if not wrong:
         return _("all {total} recorded machines get course_utils.environment's verdict: backward and "

@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import math
 import numbers
+import re
 import warnings
 
 import torch
@@ -138,11 +139,11 @@ def _check_fraction(outs: list[float], what: str) -> None:
 
 
 def _check_running_mean_class(RunningMean):
-    _require_class(RunningMean, "RunningMean")
-    m = call(RunningMean, name="RunningMean")
-    if not callable(m):
+    observe(lambda: _require_class(RunningMean, "RunningMean"))
+    m = hold(lambda: call(RunningMean, name="RunningMean"))
+    if not observe(lambda: callable(m)):
         raise Incorrect(_("RunningMean() is not callable: define `__call__(self, x)` in the class body"))
-    outs = [_as_float(call(m, x, name="running_mean"), f"running_mean({x})") for x in (2, 4, 9)]
+    outs = [_as_float(observe(lambda: call(m, x, name="running_mean")), f"running_mean({x})") for x in (2, 4, 9)]
     if outs == [2.0, 4.0, 9.0]:
         raise Incorrect(_("the calls with 2, 4, 9 returned 2, 4, 9 (each latest value): likely mistake: the state "
                           "is reset inside __call__ instead of kept on self between calls"))
@@ -160,17 +161,18 @@ def _check_running_mean_class(RunningMean):
     if not all(_close(a, b) for a, b in zip(outs, [2.0, 3.0, 5.0])):
         raise Incorrect(_("calling with 2, then 4, then 9 should return 2, 3, 5 (the mean so far), got {values}").format(
             values=outs))
-    fresh = _as_float(call(call(RunningMean, name="RunningMean"), 10, name="running_mean"), "running_mean(10)")
+    fresh = _as_float(observe(lambda: call(call(RunningMean, name="RunningMean"), 10, name="running_mean")),
+                      "running_mean(10)")
     if not _close(fresh, 10.0):
-        if _stores_globals(getattr(RunningMean, "__call__", None)):
+        if observe(lambda: _stores_globals(getattr(RunningMean, "__call__", None))):
             raise Incorrect(_("a new RunningMean() called with 10 returned {value}, not 10: likely mistake: the state "
                               "is kept in global variables, which every instance shares; keep it on self "
                               "(self.total, self.count)").format(value=fresh))
         raise Incorrect(_("a new RunningMean() called with 10 returned {value}, not 10: likely mistake: the state "
                           "lives on the class (shared by every instance) instead of on self").format(value=fresh))
-    other = call(RunningMean, name="RunningMean")
-    _check_fraction([_as_float(call(other, x, name="running_mean"), f"running_mean({x})") for x in (1, 2)],
-                    _("a new RunningMean()"))
+    other = hold(lambda: call(RunningMean, name="RunningMean"))
+    _check_fraction([_as_float(observe(lambda: call(other, x, name="running_mean")), f"running_mean({x})")
+                     for x in (1, 2)], _("a new RunningMean()"))
     return _("each instance keeps its own total and count between calls")
 
 
@@ -215,23 +217,23 @@ register(Exercise(
 # --- 01.3 the same state in a closure ---------------------------------------------------------
 
 def _check_make_running_mean(make_running_mean):
-    if isinstance(make_running_mean, type) or not callable(make_running_mean):
+    if observe(lambda: isinstance(make_running_mean, type) or not callable(make_running_mean)):
         raise Incorrect(_("make_running_mean should be a function (written with `def make_running_mean():`), "
-                          "got {value}").format(value=describe(make_running_mean)))
+                          "got {value}").format(value=observe(lambda: describe(make_running_mean))))
     try:
-        running_mean = call(make_running_mean, name="make_running_mean")
+        running_mean = hold(lambda: call(make_running_mean, name="make_running_mean"))
     except Incorrect as exc:
         if "required positional argument" in str(exc):
             raise Incorrect(_("{error}: likely mistake: make_running_mean() should return the inner function, "
                               "not call it").format(error=exc)) from None
         raise
-    if not callable(running_mean):
+    if not observe(lambda: callable(running_mean)):
         raise Incorrect(_("make_running_mean() should return a function, got {value}").format(
-            value=describe(running_mean)))
+            value=observe(lambda: describe(running_mean))))
     outs = []
     for x in (2, 4, 9):
         try:
-            outs.append(_as_float(call(running_mean, x, name="running_mean"), f"running_mean({x})"))
+            outs.append(_as_float(observe(lambda: call(running_mean, x, name="running_mean")), f"running_mean({x})"))
         except Incorrect as exc:
             if "UnboundLocalError" in str(exc):
                 raise Incorrect(_("{error}: likely mistake: assigning to a variable inside the inner function "
@@ -244,10 +246,11 @@ def _check_make_running_mean(make_running_mean):
     if not all(_close(a, b) for a, b in zip(outs, [2.0, 3.0, 5.0])):
         raise Incorrect(_("calling with 2, then 4, then 9 should return 2, 3, 5 (the mean so far), got {values}").format(
             values=outs))
-    other = call(make_running_mean, name="make_running_mean")
-    fresh = _as_float(call(other, 10, name="running_mean"), "running_mean(10)")
+    other = hold(lambda: call(make_running_mean, name="make_running_mean"))
+    fresh = _as_float(observe(lambda: call(other, 10, name="running_mean")), "running_mean(10)")
     if not _close(fresh, 10.0):
-        shared = [d for d in (getattr(make_running_mean, "__defaults__", None) or ()) if isinstance(d, (list, dict))]
+        shared = observe(lambda: any(isinstance(d, (list, dict))
+                                     for d in (getattr(make_running_mean, "__defaults__", None) or ())))
         if shared:
             raise Incorrect(_("a second make_running_mean() called with 10 returned {value}, not 10: likely mistake: "
                               "a default argument such as values=[] is created once, when `def` runs, and every call "
@@ -255,9 +258,9 @@ def _check_make_running_mean(make_running_mean):
                               "make_running_mean").format(value=fresh))
         raise Incorrect(_("a second make_running_mean() called with 10 returned {value}, not 10: each closure "
                           "should have its own state (global variables are shared)").format(value=fresh))
-    third = call(make_running_mean, name="make_running_mean")
-    _check_fraction([_as_float(call(third, x, name="running_mean"), f"running_mean({x})") for x in (1, 2)],
-                    _("a new make_running_mean()"))
+    third = hold(lambda: call(make_running_mean, name="make_running_mean"))
+    _check_fraction([_as_float(observe(lambda: call(third, x, name="running_mean")), f"running_mean({x})")
+                     for x in (1, 2)], _("a new make_running_mean()"))
     return _("the closure's cells hold the state that an instance would keep in attributes")
 
 
@@ -303,33 +306,47 @@ def _cosine(epoch: float, base_lr: float, min_lr: float, total_epochs: int) -> f
     return min_lr + 0.5 * (base_lr - min_lr) * (1 + math.cos(math.pi * epoch / total_epochs))
 
 
+_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
+
+
+def _describe_function(value) -> str:
+    """describe(value) without the memory address in a function's repr: it tells the learner nothing, and it differs
+    from one run of the same code to the next."""
+    return _ADDRESS.sub("", describe(value))
+
+
 def _check_partial(schedule):
-    if isinstance(schedule, numbers.Real):
+    if observe(lambda: isinstance(schedule, numbers.Real)):
         raise Incorrect(_("schedule is the number {value!r}: likely mistake: you called cosine_lr once; "
-                          "partial(cosine_lr, ...) returns a new callable without calling it").format(value=schedule))
-    if not isinstance(schedule, functools.partial):
-        if callable(schedule):
+                          "partial(cosine_lr, ...) returns a new callable without calling it").format(
+                              value=observe(lambda: schedule)))
+    if not observe(lambda: isinstance(schedule, functools.partial)):
+        if observe(lambda: callable(schedule)):
             raise Incorrect(_("schedule is callable but not a functools.partial ({value}): the point "
                               "of this exercise is `partial(cosine_lr, base_lr=..., ...)`").format(
-                                  value=describe(schedule)))
-        raise Incorrect(_("schedule should be partial(cosine_lr, ...), got {value}").format(value=describe(schedule)))
-    if getattr(schedule.func, "__name__", None) != "cosine_lr":
-        raise Incorrect(_("schedule wraps {value}; it should wrap cosine_lr").format(value=describe(schedule.func)))
-    if schedule.args:
+                                  value=observe(lambda: _describe_function(schedule))))
+        raise Incorrect(_("schedule should be partial(cosine_lr, ...), got {value}").format(
+            value=observe(lambda: describe(schedule))))
+    if observe(lambda: getattr(schedule.func, "__name__", None)) != "cosine_lr":
+        raise Incorrect(_("schedule wraps {value}; it should wrap cosine_lr").format(
+            value=observe(lambda: _describe_function(schedule.func))))
+    args = observe(lambda: tuple(schedule.args))
+    if args:
         raise Incorrect(_("schedule fixes the positional arguments {args!r}: likely mistake: positional "
                           "arguments to partial fill the *first* parameters (epoch comes first here); give "
-                          "base_lr=..., min_lr=..., total_epochs=... by keyword").format(args=schedule.args))
-    if "epoch" in schedule.keywords:
+                          "base_lr=..., min_lr=..., total_epochs=... by keyword").format(args=args))
+    keywords = observe(lambda: dict(schedule.keywords))
+    if "epoch" in keywords:
         raise Incorrect(_("schedule also fixes epoch={value!r}: then schedule(epoch) passes epoch a second time "
                           "(TypeError: multiple values for argument 'epoch'); leave epoch free and freeze only "
-                          "base_lr, min_lr and total_epochs").format(value=schedule.keywords["epoch"]))
+                          "base_lr, min_lr and total_epochs").format(value=keywords["epoch"]))
     expected = {"base_lr": 0.1, "min_lr": 0.001, "total_epochs": 20}
-    got = {k: schedule.keywords.get(k) for k in expected}
+    got = {k: keywords.get(k) for k in expected}
     if got != expected:
         raise Incorrect(_("schedule fixes {keywords!r}; it should fix base_lr=0.1, min_lr=0.001 "
-                          "and total_epochs=20").format(keywords=dict(schedule.keywords)))
+                          "and total_epochs=20").format(keywords=keywords))
     for epoch in (0, 5, 10, 19, 20, 25):
-        value = _as_float(call(schedule, epoch, name="schedule"), f"schedule({epoch})")
+        value = _as_float(observe(lambda: call(schedule, epoch, name="schedule")), f"schedule({epoch})")
         if not _close(value, _cosine(epoch, **expected)):
             raise Incorrect(_("schedule({epoch}) returned {value}, expected {expected}").format(
                 epoch=epoch, value=value, expected=_cosine(epoch, **expected)))
@@ -386,15 +403,15 @@ def _torch_warmup_cosine(base_lr: float, min_lr: float, warmup: int, total: int,
 
 
 def _check_warmup_cosine(WarmupCosine):
-    _require_class(WarmupCosine, "WarmupCosine")
+    observe(lambda: _require_class(WarmupCosine, "WarmupCosine"))
     for base_lr, min_lr, warmup, total in ((0.1, 0.001, 5, 30), (1.0, 0.05, 3, 10)):
         label = f"WarmupCosine({base_lr}, {min_lr}, {warmup}, {total})"
-        sched = call(WarmupCosine, base_lr, min_lr, warmup, total, name="WarmupCosine")
-        if not callable(sched):
+        sched = hold(lambda: call(WarmupCosine, base_lr, min_lr, warmup, total, name="WarmupCosine"))
+        if not observe(lambda: callable(sched)):
             raise Incorrect(_("{label} is not callable: define `__call__(self, epoch)` in the class body").format(
                 label=label))
         reference = _torch_warmup_cosine(base_lr, min_lr, warmup, total, total)
-        got = [_as_float(call(sched, e, name=label), f"{label}({e})") for e in range(total + 6)]
+        got = [_as_float(observe(lambda: call(sched, e, name=label)), f"{label}({e})") for e in range(total + 6)]
         if _close(got[0], 0.0):
             raise Incorrect(_("{label}(0) is 0: likely mistake: the warm-up starts at zero, so the first epoch "
                               "does not train; use base_lr * (epoch + 1) / warmup_epochs").format(label=label))
@@ -439,8 +456,8 @@ def _check_warmup_cosine(WarmupCosine):
                                   label=label, values=[round(v, 6) for v in late]))
         # A fresh schedule asked for epochs out of order: the rate depends on `epoch`, not on the calls before.
         order = [warmup + 1, 0, total + 2, warmup + 1, warmup - 1]
-        fresh = call(WarmupCosine, base_lr, min_lr, warmup, total, name="WarmupCosine")
-        shuffled = [_as_float(call(fresh, e, name=label), f"{label}({e})") for e in order]
+        fresh = hold(lambda: call(WarmupCosine, base_lr, min_lr, warmup, total, name="WarmupCosine"))
+        shuffled = [_as_float(observe(lambda: call(fresh, e, name=label)), f"{label}({e})") for e in order]
         expected = [got[e] for e in order]
         if not all(_close(a, b) for a, b in zip(shuffled, expected)):
             raise Incorrect(_("a new {label} called with the epochs {order} returned {values}, expected {expected}: "

@@ -23,9 +23,11 @@ import contextvars
 import io
 import numbers
 import os
+import re
 import sys
 import sysconfig
 import traceback
+import warnings
 from contextlib import contextmanager
 
 from ..i18n import _
@@ -72,7 +74,7 @@ class _Absent:
     __slots__ = ()
 
     def _refuse(self, *args, **kwargs):
-        raise OutOfReach("a checker used the learner's code outside observe() or hold()")
+        raise OutOfReach(_("a checker used the learner's code outside observe() or hold()"))
 
     __getattr__ = __call__ = __bool__ = __iter__ = __len__ = __getitem__ = __eq__ = __contains__ = _refuse
     __float__ = __int__ = __index__ = __add__ = __mul__ = __lt__ = __le__ = __gt__ = __ge__ = __ne__ = _refuse
@@ -111,12 +113,13 @@ def short(value, limit: int = 60) -> str:
     if isinstance(value, Opaque):
         return value.short
     try:
-        text = repr(value)
+        text = _ADDRESS.sub("", repr(value))  # "<function f at 0x7f..>": the address tells a learner nothing
     except Exception:
         text = f"<{type(value).__name__}>"
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
+_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
 _COURSE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 _LIBRARY_DIRS = tuple({sysconfig.get_paths()[k] + os.sep for k in ("stdlib", "purelib", "platlib")})
 
@@ -192,18 +195,20 @@ def decode(data: bytes) -> list:
                 parts = v[_OPAQUE_KEY]
                 if type(parts) is list and len(parts) == 3 and all(type(p) is str for p in parts):
                     return Opaque(*parts)
-                raise Interfered("malformed opaque value")
+                raise Interfered(_("a malformed value"))
             return {back(k): back(x) for k, x in v.items()}
         if type(v) in (list, tuple, set):
             return type(v)(back(x) for x in v)
         return v
 
     try:
-        log = torch.load(io.BytesIO(data), weights_only=True)
+        with warnings.catch_warnings():  # torch's remarks on a pickle it was not written by: the learner's choice
+            warnings.simplefilter("ignore")
+            log = torch.load(io.BytesIO(data), weights_only=True)
     except Exception as exc:
-        raise Interfered(f"the record does not decode ({type(exc).__name__})") from None
+        raise Interfered(_("the record does not decode ({error})").format(error=type(exc).__name__)) from None
     if type(log) is not list or not all(type(e) is tuple and e and type(e[0]) is str for e in log):
-        raise Interfered("the record is not a list of entries")
+        raise Interfered(_("the record is not a list of entries"))
     return [back(e) for e in log]
 
 
@@ -290,26 +295,27 @@ def _replayed_error(module: str, qualname: str, message: str, line: int, crashed
 def _replay(session: _Session, label: str, kind: str):
     log = session.log
     if session.position >= len(log):
-        raise Interfered(f"the record ended before {label}")
+        raise Interfered(_("the record ended before {label}").format(label=label))
     entry = log[session.position]
     if entry[0] == "end":
         if len(entry) == 2 and entry[1] == "timeout":
             raise AnswerTimeout()
-        raise Interfered(f"the record ended before {label}")
+        raise Interfered(_("the record ended before {label}").format(label=label))
     session.position += 1
     if len(entry) < 2 or entry[1] != label:
-        raise Interfered(f"the record has {entry[:2]!r} where the checker asks for {label}")
+        raise Interfered(_("the record has {entry} where the checker asks for {label}").format(
+            entry=short(entry[:2]), label=label))
     tag = entry[0]
     if tag == kind == "value" and len(entry) == 4:
         state = entry[3]
         if state is not None:
             import torch
             if not isinstance(state, torch.Tensor) or state.dtype != torch.uint8:
-                raise Interfered("malformed random state")
+                raise Interfered(_("a malformed random state"))
             try:
                 torch.set_rng_state(state)
             except Exception:
-                raise Interfered("malformed random state") from None
+                raise Interfered(_("a malformed random state")) from None
         return entry[2]
     if tag == kind == "held" and len(entry) == 2:
         return ABSENT
@@ -324,7 +330,8 @@ def _replay(session: _Session, label: str, kind: str):
     if (tag == "error" and len(entry) == 7 and all(type(x) is str for x in entry[2:5])
             and type(entry[5]) is int and type(entry[6]) is bool):
         raise _replayed_error(*entry[2:])
-    raise Interfered(f"the record has {tag!r} where the checker asks for {label}")
+    raise Interfered(_("the record has {entry} where the checker asks for {label}").format(entry=short(tag),
+                                                                                                  label=label))
 
 
 def _run(fn, kind: str):
