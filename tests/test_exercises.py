@@ -18,8 +18,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from course_tools.solve import exercise_cells, solve_notebook
-from course_utils.exercises import CORRECT, INCORRECT, NOT_ATTEMPTED, evaluate, judge, load_all, record
-from course_utils.exercises.core import describe
+from course_utils.exercises import CORRECT, INCORRECT, NOT_ATTEMPTED, evaluate, judge, load_all
+from course_utils.exercises.core import describe, recorded
 from course_utils.i18n import N_, _, speaking
 
 import nbformat
@@ -27,6 +27,7 @@ import nbformat
 NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
 REGISTRY = load_all()
 IDS = sorted(REGISTRY)
+SEED = 20261203  # the grader's seed for cases drawn afresh at each check (a new one per check in the grader)
 
 
 def run(ex, code: str):
@@ -63,12 +64,13 @@ def test_solving_replaces_every_blank():
 
 
 def verdict(ex, code: str):
-    """The Result of `code` checked in one process, after proving that the same Result comes from the record of a
-    second run, judged where the answer does not exist (the grader's split)."""
-    direct = evaluate(ex.id, run(ex, code))
-    judged = judge(ex.id, record(ex.id, run(ex, code)))
+    """The Result of `code`, after proving that the record of the same run, judged where the answer does not exist
+    (the grader's split), gives the very same Result, and that a plain check() run agrees on the status."""
+    direct, data = recorded(ex.id, run(ex, code), seed=SEED)
+    judged = judge(ex.id, data, seed=SEED)
     assert (judged.status, judged.message, judged.crashed) == (direct.status, direct.message, direct.crashed), (
         ex.id, code, direct, judged)
+    assert evaluate(ex.id, run(ex, code)).status == direct.status, (ex.id, code)
     return direct
 
 
@@ -157,8 +159,10 @@ def test_fuzz_checkers_never_crash(ex_id, answer):
     assert result.status in (CORRECT, INCORRECT, NOT_ATTEMPTED)
     assert isinstance(result.message, str) and result.message
     assert not result.crashed, (ex_id, describe(answer), result.message)
-    judged = judge(ex_id, record(ex_id, answer, timeout=3))
-    assert (judged.status, judged.crashed) == (result.status, False), (ex_id, describe(answer), result, judged)
+    kernel, data = recorded(ex_id, answer, timeout=3, seed=SEED)
+    judged = judge(ex_id, data, seed=SEED)
+    assert (judged.status, judged.message, judged.crashed) == (kernel.status, kernel.message, False), (
+        ex_id, describe(answer), kernel, judged)
 
 
 @pytest.mark.parametrize("ex_id", IDS)

@@ -10,7 +10,8 @@ as tampering), then runs the checker in recording mode (`course_utils.exercises.
 produced, as plain data) and prints that record, flags and signs of tampering as one line framed by a token made for
 that call. The verdict is not decided here: the grader judges the record in its own process (run.py), where no
 learner code runs, so nothing in this kernel can forge it. SETUP is a %-template: `SETUP % {"args": json.dumps({...})}`; a check's comm data is
-`{"id": ..., "answer": ..., "token": ...}`.
+`{"id": ..., "answer": ..., "token": ..., "seed": ...}` (the seed of the cases drawn afresh for this check, which the
+grader's judgement draws again).
 """
 
 SETUP = r'''
@@ -153,7 +154,7 @@ def __course_grader_setup(private, target, exercises_dir, course_dir, workdir, s
     seen_hooks = []
 
     class Grader:
-        def evaluate(self, exercise_id, answer_name, token):
+        def evaluate(self, exercise_id, answer_name, token, seed):
             for hook in reset_hooks():
                 if hook not in seen_hooks:
                     seen_hooks.append(hook)
@@ -168,7 +169,7 @@ def __course_grader_setup(private, target, exercises_dir, course_dir, workdir, s
                     status, message = "interfered", ("the notebook's code changed the grader's private copy of the "
                                                      "checkers, so this answer could not be checked")
                 elif answer_name in ns:
-                    status, message = "recorded", b64(record(exercise_id, ns[answer_name])).decode("ascii")
+                    status, message = "recorded", b64(record(exercise_id, ns[answer_name], seed=seed)).decode("ascii")
                 else:
                     status, message = "not attempted", (f"`{answer_name}` is not defined: the exercise's cell did "
                                                         "not define it")
@@ -200,7 +201,7 @@ def __course_grader_setup(private, target, exercises_dir, course_dir, workdir, s
 
     def on_check(comm, msg):  # a comm message: no IPython hook or input transformer runs for it
         data = msg["content"]["data"]
-        grader.evaluate(data["id"], data["answer"], data["token"])
+        grader.evaluate(data["id"], data["answer"], data["token"], data["seed"])
 
     shell.kernel.comm_manager.register_target(target, on_check)
     out.write(token + " " + dumps({"token": token, "ready": True}) + "\n")

@@ -35,7 +35,7 @@ from ..solve import exercise_cells
 from . import kernel
 from .limits import GradeError, Limits, format_size
 from .report import ClassReport
-from .results import INCORRECT, INTERFERED, NOT_ATTEMPTED, NOT_RUN, RANK, NotebookRun, Outcome
+from .results import INCORRECT, INTERFERED, NOT_ATTEMPTED, NOT_RUN, NotebookRun, Outcome
 from .sandbox import Sandbox
 from .submissions import Unreadable, find_submissions, notebook_name, read_notebook
 
@@ -253,7 +253,8 @@ class _Grading:
             for ex_id in ex_cells.get(i, []):  # sent as a comm message, not run as a cell (kernel.py)
                 answer = _answer_name(nb.cells[i].source, ex_id, self.registry[ex_id].answer)
                 run.cells.append(self._grader_cell(f"# the grader checks {ex_id} ({answer})", kind="eval",
-                                                   token=secrets.token_hex(16), id=ex_id, index=i, answer=answer))
+                                                   token=secrets.token_hex(16), id=ex_id, index=i, answer=answer,
+                                                   seed=secrets.randbits(63)))
         self.total_cells = len(nb.cells)
         return run
 
@@ -443,7 +444,7 @@ class _Grading:
         deadline = time.monotonic() + min(own, left)
         msg = kc.session.msg("comm_open", {"comm_id": secrets.token_hex(16), "target_name": self.target,
                                            "data": {"id": meta["id"], "answer": meta["answer"],
-                                                    "token": meta["token"]}})
+                                                    "token": meta["token"], "seed": meta["seed"]}})
         kc.shell_channel.send(msg)
         parent, text = msg["header"]["msg_id"], []
         while True:
@@ -584,7 +585,7 @@ class _Grading:
         # The kernel may only say what it recorded, or a result no better than "incorrect" (the answer is not
         # defined, the check itself raised): it never decides a pass.
         if status == "recorded" and isinstance(payload.get("message"), str):
-            outcome = self._judge(ex_id, payload["message"])
+            outcome = self._judge(ex_id, payload["message"], meta["seed"])
         elif status in (INCORRECT, NOT_ATTEMPTED) and isinstance(payload.get("message"), str):
             outcome = Outcome(status, payload["message"], self.result.name)
         else:
@@ -596,7 +597,7 @@ class _Grading:
         if payload:
             self.tamper += [str(t) for t in payload.get("tamper", [])]  # flagged on every exercise of the notebook
 
-    def _judge(self, ex_id: str, text: str) -> Outcome:
+    def _judge(self, ex_id: str, text: str, seed: int) -> Outcome:
         """The verdict on what the learner's code produced, decided here, in the grader's process, where no learner
         code runs (course_utils.exercises.judge); one judgement at a time (checkers use torch's global state)."""
         try:
@@ -604,7 +605,7 @@ class _Grading:
         except ValueError:
             data = b""
         with _JUDGING:
-            result = exercises.judge(ex_id, data)
+            result = exercises.judge(ex_id, data, seed=seed)
         if result.status == INTERFERED:
             return Outcome(NOT_RUN, f"no result: the record of what the answer produced does not match the checker "
                                     f"({result.message}); the notebook's code interfered with the grader's check",

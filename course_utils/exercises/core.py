@@ -227,23 +227,29 @@ def _verdict(exercise_id: str, answer, timeout: float | None) -> tuple[Result, b
     return Result(CORRECT, remark or _("well done")), False
 
 
-def record(exercise_id: str, answer, timeout: float | None = None) -> bytes:
+def record(exercise_id: str, answer, timeout: float | None = None, seed: int | None = None) -> bytes:
     """Check `answer` as `evaluate` does and return the record of what the learner's code produced (run in the
-    learner's kernel by the class grader; `judge` reads it)."""
-    with recording() as log:
-        _, timed_out = _verdict(exercise_id, answer, timeout)
+    learner's kernel by the class grader; `judge` reads it). `seed`: the grader's, for cases drawn afresh."""
+    return recorded(exercise_id, answer, timeout, seed)[1]
+
+
+def recorded(exercise_id: str, answer, timeout: float | None = None, seed: int | None = None) -> tuple[Result, bytes]:
+    """`record`, with the verdict the recording run itself reached (what the proofs compare `judge` with)."""
+    with recording(seed) as log:
+        result, timed_out = _verdict(exercise_id, answer, timeout)
         finish(log, "timeout" if timed_out else "done")
-    return encode(log)
+    return result, encode(log)
 
 
-def judge(exercise_id: str, data: bytes, timeout: float | None = None) -> Result:
+def judge(exercise_id: str, data: bytes, timeout: float | None = None, seed: int | None = None) -> Result:
     """The verdict on a record from `record`, decided here: the checker runs again with every observation read
-    from the record (no learner code runs). A record that does not decode or does not match is INTERFERED."""
+    from the record (no learner code runs). A record that does not decode or does not match is INTERFERED. `seed`:
+    the one given to `record` (cases drawn afresh are drawn again here, from it)."""
     try:
         log = decode(data)
     except Interfered as exc:
         return Result(INTERFERED, str(exc))
-    with replaying(log) as session:
+    with replaying(log, seed) as session:
         result = evaluate(exercise_id, ABSENT_ANSWER, timeout)
         if result.status != INTERFERED and leftover(session):
             return Result(INTERFERED, _("the record holds more than the checker asked for"))

@@ -10,18 +10,32 @@ is reproducible and leaves the notebook's random state (and CUDA) untouched.
 """
 from __future__ import annotations
 
+import copy
+
 import torch
 from torch import nn
 
 from ..i18n import N_, _
 from .core import Exercise, Incorrect, Mistake, call, describe, register, require_function, seeded
+from .probe import hold, observe
+
+# Every use of the learner's code, and every read of an object after the learner's code had it, goes through
+# observe() (plain data back) or hold() (the object, for later observe() calls only): the class grader judges from
+# the record of these, in a process where no learner code runs.
 
 
-def _require_module_class(answer, name: str) -> type:
+def _require_module_class(answer, name: str) -> None:
     if not (isinstance(answer, type) and issubclass(answer, nn.Module)):
         raise Incorrect(_("{name} should be a class that subclasses nn.Module, got {value}").format(
             name=name, value=describe(answer)))
-    return answer
+
+
+def _require_function(answer, name: str) -> None:
+    require_function(answer, name)
+
+
+def _leaves(model: nn.Module) -> list[str]:
+    return [n for n, m in model.named_modules() if next(m.children(), None) is None]
 
 
 # --- 02.1 a hook that records activation shapes ------------------------------------------------
@@ -59,7 +73,7 @@ def _normalise_shapes(result, label: str) -> list[tuple[str, tuple]]:
 
 
 def _check_record_shapes(record_shapes):
-    require_function(record_shapes, "record_shapes")
+    observe(lambda: _require_function(record_shapes, "record_shapes"))
     with seeded():
         cases = [
             (nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Sequential(nn.Linear(8, 3), nn.Tanh())),
@@ -71,25 +85,25 @@ def _check_record_shapes(record_shapes):
         ]
         x = torch.randn(2, 4)
     for model, expected, inputs in cases:
-        got = _normalise_shapes(call(record_shapes, model, x, name="record_shapes", check_mutation=False),
-                                "record_shapes")
-        left = _hooks_left(model)
+        # the model's structure as the checker built it, read before the learner's code has the model
+        leaves, kind = _leaves(model), type(model).__name__
+        children = {n: next(m.children(), None) is not None for n, m in model.named_children()}  # name: nested?
+        got = observe(lambda: _normalise_shapes(
+            call(record_shapes, model, x, name="record_shapes", check_mutation=False), "record_shapes"))
+        left = observe(lambda: _hooks_left(model))
         if left:
             raise Incorrect(_("after record_shapes returned, hooks are still registered on {left}: likely mistake: "
                               "the hooks were not removed (keep each handle and call handle.remove()), so every "
                               "later call of the model would record again").format(left=left))
         if got == expected:
             continue
-        leaves = [n for n, m in model.named_modules() if next(m.children(), None) is None]
         if ([shape for _n, shape in got] == [shape for _n, shape in expected]
                 and len(expected) > 1 and all(n == leaves[-1] for n, _ in got)):
             raise Incorrect(_("got {got}: likely mistake: every entry has the name {name!r}, the last leaf's: the hook "
                               "looks `name` up when it runs, after the loop has ended; bind it when the hook is made, "
                               "with a default argument (def hook(module, inputs, output, name=name))").format(
                                   got=got, name=leaves[-1]))
-        children = dict(model.named_children())
-        if ({n for n, _ in got} == set(children)
-                and any(next(m.children(), None) is not None for m in children.values())):
+        if {n for n, _ in got} == set(children) and any(children.values()):
             raise Incorrect(_("got {got}: likely mistake: only the model's direct children were hooked "
                               "(named_children()); a child that has children of its own is a container, and its "
                               "leaves ({missed}) are missed. Walk every module with named_modules() and keep the "
@@ -110,13 +124,13 @@ def _check_record_shapes(record_shapes):
             raise Incorrect(_("got {got}: likely mistake: these are the input shapes; a forward hook receives "
                               "(module, inputs, output): record output.shape").format(got=got))
         raise Incorrect(_("for {model} and an input of shape (2, 4), expected {expected}, got {got}").format(
-            model=type(model).__name__, expected=expected, got=got))
+            model=kind, expected=expected, got=got))
     raising = _Raising()
     try:
-        call(record_shapes, raising, torch.ones(2, 4), name="record_shapes", check_mutation=False)
+        observe(lambda: call(record_shapes, raising, torch.ones(2, 4), name="record_shapes", check_mutation=False))
     except Incorrect:
         pass  # the error may come through; the hooks must not stay behind
-    if _hooks_left(raising):
+    if observe(lambda: _hooks_left(raising)):
         raise Incorrect(_("when the model's forward raised, record_shapes left its hooks behind: likely mistake: the "
                           "hooks are removed after model(x), which an exception skips; remove them in a `finally` "
                           "block"))
@@ -188,55 +202,66 @@ register(Exercise(
 # --- 02.2 a submodule missing from parameters() -----------------------------------------------
 
 def _check_mlp(MLP):
-    _require_module_class(MLP, "MLP")
+    observe(lambda: _require_module_class(MLP, "MLP"))
     try:
         with seeded():
-            model = call(MLP, [4, 8, 3], name="MLP", check_mutation=False)
+            model = hold(lambda: call(MLP, [4, 8, 3], name="MLP", check_mutation=False))
     except Incorrect as exc:
         if "before Module.__init__() call" in str(exc):
             raise Incorrect(_("{error}: likely mistake: super().__init__() is missing or comes too late; it must "
                               "run before any submodule is assigned").format(error=exc)) from None
         raise
-    if not isinstance(model, nn.Module):
-        raise Incorrect(_("MLP([4, 8, 3]) should be an nn.Module, got {value}").format(value=describe(model)))
-    layers = getattr(model, "layers", None)
-    n_params = sum(p.numel() for p in model.parameters())
+    if not observe(lambda: isinstance(model, nn.Module)):
+        raise Incorrect(_("MLP([4, 8, 3]) should be an nn.Module, got {value}").format(
+            value=observe(lambda: describe(model))))
+
+    def layers_facts():
+        layers = getattr(model, "layers", None)
+        return {"missing": layers is None, "python": isinstance(layers, (list, tuple, dict)),
+                "module": isinstance(layers, nn.Module), "type": type(layers).__name__}
+
+    layers = observe(layers_facts)
+    n_params = observe(lambda: sum(p.numel() for p in model.parameters()))
     expected = 4 * 8 + 8 + 8 * 3 + 3  # two Linear layers: weights and biases
-    if layers is None:
+    if layers["missing"]:
         raise Incorrect(_("MLP([4, 8, 3]) has no attribute `layers`: likely mistake: the layers were assigned to a "
                           "local variable; assign them to self.layers (forward reads self.layers)"))
-    if isinstance(layers, (list, tuple, dict)) and n_params != expected:
+    if layers["python"] and n_params != expected:
         raise Incorrect(_("self.layers is a plain Python {kind}, so model.parameters() holds "
                           "{n_params} elements instead of {expected}: likely mistake: nn.Module registers only "
                           "modules assigned directly as attributes; wrap the layers in nn.ModuleList").format(
-                              kind=type(layers).__name__, n_params=n_params, expected=expected))
-    if not isinstance(layers, (nn.Module, list, tuple, dict)):
+                              kind=layers["type"], n_params=n_params, expected=expected))
+    if not (layers["module"] or layers["python"]):
         raise Incorrect(_("self.layers should hold the Linear layers (an nn.ModuleList), got {value}").format(
-            value=describe(layers)))
+            value=observe(lambda: describe(model.layers))))
     if n_params != expected:
         raise Incorrect(_("MLP([4, 8, 3]) has {n_params} parameter elements; Linear(4, 8) and Linear(8, 3) "
                           "have {expected}").format(n_params=n_params, expected=expected))
-    out = call(model, torch.ones(2, 4), name="MLP([4, 8, 3])", check_mutation=False)
+    out = observe(lambda: call(model, torch.ones(2, 4), name="MLP([4, 8, 3])", check_mutation=False))
     if not isinstance(out, torch.Tensor) or tuple(out.shape) != (2, 3):
         raise Incorrect(_("MLP([4, 8, 3]) applied to a (2, 4) batch should give shape (2, 3), got {value}").format(
             value=describe(out)))
-    model.double()
-    not_moved = [n for n, p in model.named_parameters() if p.dtype != torch.float64]
+
+    def doubled():
+        model.double()
+        return [n for n, p in model.named_parameters() if p.dtype != torch.float64]
+
+    not_moved = observe(doubled)
     if not_moved:
         raise Incorrect(_(".double() did not convert {names}: every layer must be registered").format(names=not_moved))
-    keys = sorted(model.state_dict())
+    keys = observe(lambda: sorted(model.state_dict()))
     if len(keys) != 4:
         raise Incorrect(_("state_dict() should hold 4 tensors (2 weights, 2 biases), holds {keys}").format(keys=keys))
     # Other sizes: the layers follow `sizes`, in number and in width.
     with seeded():
-        deeper = call(MLP, [5, 7, 6, 2], name="MLP", check_mutation=False)
-    linears = [(m.in_features, m.out_features) for m in deeper.modules() if isinstance(m, nn.Linear)]
+        deeper = hold(lambda: call(MLP, [5, 7, 6, 2], name="MLP", check_mutation=False))
+    linears = observe(lambda: [(m.in_features, m.out_features) for m in deeper.modules() if isinstance(m, nn.Linear)])
     if linears != [(5, 7), (7, 6), (6, 2)]:
         raise Incorrect(_("MLP([5, 7, 6, 2]) has the Linear layers (in, out) {got}, expected [(5, 7), (7, 6), (6, 2)]: "
                           "likely mistake: the layers are written out for MLP([4, 8, 3]) (their sizes or their "
                           "number); make one nn.Linear(a, b) per pair of neighbouring sizes, "
                           "zip(sizes, sizes[1:])").format(got=linears))
-    out = call(deeper, torch.ones(2, 5), name="MLP([5, 7, 6, 2])", check_mutation=False)
+    out = observe(lambda: call(deeper, torch.ones(2, 5), name="MLP([5, 7, 6, 2])", check_mutation=False))
     if not isinstance(out, torch.Tensor) or tuple(out.shape) != (2, 2):
         raise Incorrect(_("MLP([5, 7, 6, 2]) applied to a (2, 5) batch should give shape (2, 2), got {value}").format(
             value=describe(out)))
@@ -285,53 +310,70 @@ register(Exercise(
 # --- 02.3 buffers that move with the module ---------------------------------------------------
 
 def _check_normalize(Normalize):
-    _require_module_class(Normalize, "Normalize")
+    observe(lambda: _require_module_class(Normalize, "Normalize"))
     mean, std = torch.tensor([0.5, 1.0, -2.0]), torch.tensor([2.0, 4.0, 0.5])
-    model = call(Normalize, mean, std, name="Normalize", check_mutation=False)
-    if not isinstance(model, nn.Module):
-        raise Incorrect(_("Normalize(mean, std) should be an nn.Module, got {value}").format(value=describe(model)))
     x = torch.tensor([[1.0, 2.0, 3.0], [0.0, -1.0, 0.5]])
-    out = call(model, x, name="Normalize(mean, std)", check_mutation=False)
-    kept = {n: getattr(model, n, None) for n in ("mean", "std")}
-    converted = {n: t.dtype for n, t in kept.items() if isinstance(t, torch.Tensor) and t.dtype != torch.float32}
+    expected = (x - mean) / std  # before the learner's code has mean, std and x
+    model = hold(lambda: call(Normalize, mean, std, name="Normalize", check_mutation=False))
+    if not observe(lambda: isinstance(model, nn.Module)):
+        raise Incorrect(_("Normalize(mean, std) should be an nn.Module, got {value}").format(
+            value=observe(lambda: describe(model))))
+    out = observe(lambda: call(model, x, name="Normalize(mean, std)", check_mutation=False))
+
+    def kept_converted():
+        kept = {n: getattr(model, n, None) for n in ("mean", "std")}
+        return {n: t.dtype for n, t in kept.items() if isinstance(t, torch.Tensor) and t.dtype != torch.float32}
+
+    converted = observe(kept_converted)
     if converted:
         raise Incorrect(_("mean and std were given in torch.float32, and the module keeps {converted}: likely mistake: "
                           "they were converted when stored; store them as given, and .double() or .to() converts them "
                           "with the module when asked").format(
                               converted=", ".join(f"{n} in {d}" for n, d in converted.items())))
-    if not isinstance(out, torch.Tensor) or out.shape != x.shape or not torch.allclose(out, (x - mean) / std):
+    if not isinstance(out, torch.Tensor) or out.shape != expected.shape or not torch.allclose(out, expected):
         raise Incorrect(_("Normalize(mean, std)(x) should equal (x - mean) / std, got {value}").format(
             value=describe(out)))
-    params = dict(model.named_parameters())
-    buffers = dict(model.named_buffers())
+    params = observe(lambda: {n: p.requires_grad for n, p in model.named_parameters()})  # name: requires_grad
+    buffers = observe(lambda: [n for n, _b in model.named_buffers()])
     as_params = sorted({"mean", "std"} & set(params))
     if as_params:
-        if not any(params[n].requires_grad for n in as_params):
+        if not any(params[n] for n in as_params):
             raise Incorrect(_("{names} are frozen nn.Parameters: likely mistake: requires_grad=False stops the "
                               "gradients, but they are still parameters (in parameters(), handed to the optimizer, "
                               "counted as weights); register them as buffers").format(names=as_params))
         raise Incorrect(_("{names} are nn.Parameters: likely mistake: that makes them trainable (the optimizer "
                           "would change them, and they show up in parameters()); register them as buffers").format(
                               names=as_params))
-    plain = [n for n in ("mean", "std") if isinstance(vars(model).get(n), torch.Tensor)]
+    plain = observe(lambda: [n for n in ("mean", "std") if isinstance(vars(model).get(n), torch.Tensor)])
     if plain:
         raise Incorrect(_("{names} are plain tensor attributes: likely mistake: .to(), .double() and state_dict() "
                           "ignore those; use self.register_buffer(name, tensor)").format(names=plain))
     if set(buffers) != {"mean", "std"}:
         raise Incorrect(_("the module's buffers are {names}; expected exactly 'mean' and 'std'").format(
             names=sorted(buffers)))
-    keys = set(model.state_dict())
-    if keys != {"mean", "std"}:
+    keys = observe(lambda: sorted(model.state_dict()))
+    if set(keys) != {"mean", "std"}:
         raise Incorrect(_("state_dict() holds {keys}; mean and std should be saved with the model "
-                          "(register_buffer's default persistent=True)").format(keys=sorted(keys)))
-    model.double()
-    if model.mean.dtype != torch.float64 or model.std.dtype != torch.float64:
+                          "(register_buffer's default persistent=True)").format(keys=keys))
+
+    def doubled():
+        model.double()
+        return model.mean.dtype, model.std.dtype
+
+    mean_dtype, std_dtype = observe(doubled)
+    if mean_dtype != torch.float64 or std_dtype != torch.float64:
         raise Incorrect(_("after .double(), mean is {mean} and std is {std}; both should be float64").format(
-            mean=model.mean.dtype, std=model.std.dtype))
-    model.to("meta")
-    if model.mean.device.type != "meta":
+            mean=mean_dtype, std=std_dtype))
+
+    def moved():
+        model.to("meta")
+        device = model.mean.device
+        return device.type, str(device)
+
+    device_type, device = observe(moved)
+    if device_type != "meta":
         raise Incorrect(_("after .to('meta'), mean is on {device}: it should move with the module").format(
-            device=model.mean.device))
+            device=device))
     return _("mean and std follow .to()/.double() and are saved in state_dict(), yet are not trained")
 
 
@@ -391,7 +433,7 @@ class _FailingForward(nn.Module):
 def _submodules_restored(model: nn.Module, training: bool) -> None:
     """After predict, every submodule is back in the mode the whole model was in (Dropout and BatchNorm read their
     own `training` flag, not the model's)."""
-    left = [name for name, m in model.named_modules() if name and m.training != training]
+    left = observe(lambda: [name for name, m in model.named_modules() if name and m.training != training])
     if left:
         raise Incorrect(_("after predict, model.training is {training} again, but the submodules {names} are left "
                           "with training={other}: likely mistake: assigning model.training sets the flag of the "
@@ -400,34 +442,39 @@ def _submodules_restored(model: nn.Module, training: bool) -> None:
 
 
 def _check_predict(predict):
-    require_function(predict, "predict")
+    observe(lambda: _require_function(predict, "predict"))
     with seeded():
         model = _probe_model()
         x = torch.randn(8, 6)
         model.train()
         bn = model[1]
         stats_before = (bn.running_mean.clone(), int(bn.num_batches_tracked))
-        out = call(predict, model, x, name="predict", check_mutation=False)
+        with torch.no_grad():  # the model's eval-mode output, on a copy the learner's code never has
+            reference = copy.deepcopy(model).eval()(x)
+        out = observe(lambda: call(predict, model, x, name="predict", check_mutation=False))
     if not isinstance(out, torch.Tensor) or tuple(out.shape) != (8, 3):
         raise Incorrect(_("predict(model, x) should return the model's output, a tensor of shape (8, 3); got "
                           "{value}").format(value=describe(out)))
-    if int(bn.num_batches_tracked) != stats_before[1] or not torch.equal(bn.running_mean, stats_before[0]):
+    running_mean, tracked = observe(lambda: (bn.running_mean, int(bn.num_batches_tracked)))
+    if tracked != stats_before[1] or not torch.equal(running_mean, stats_before[0]):
         raise Incorrect(_("BatchNorm updated its running statistics during predict: likely mistake: the model is "
                           "still in training mode (no_grad does not switch modes); call model.eval() first"))
     if out.requires_grad:
         raise Incorrect(_("the output requires grad, so predict built an autograd graph it never uses: likely "
                           "mistake: run the model inside `with torch.inference_mode():` (or torch.no_grad())"))
-    if not model.training:
+    if not observe(lambda: bool(model.training)):
         raise Incorrect(_("after predict the model is left in eval mode although it was in training mode: likely "
                           "mistake: remember model.training first and restore it (model.train(was_training))"))
     _submodules_restored(model, True)
-    model.eval()
-    with torch.no_grad():
-        reference = model(x)
     if not torch.allclose(out, reference):
         raise Incorrect(_("predict's output differs from the model's eval-mode output"))
-    again = call(predict, model, x, name="predict", check_mutation=False)
-    if model.training:
+
+    def predict_in_eval_mode():
+        model.eval()
+        return call(predict, model, x, name="predict", check_mutation=False)
+
+    again = observe(predict_in_eval_mode)
+    if observe(lambda: bool(model.training)):
         raise Incorrect(_("predict was given a model in eval mode and left it in training mode: likely mistake: "
                           "restore the mode the model had (model.train(was_training)), not always train()"))
     _submodules_restored(model, False)
@@ -435,14 +482,14 @@ def _check_predict(predict):
         raise Incorrect(_("two calls of predict on the same input gave different outputs"))
     failing = _FailingForward().train()
     try:
-        call(predict, failing, x, name="predict", check_mutation=False)
+        observe(lambda: call(predict, failing, x, name="predict", check_mutation=False))
         raised = False
     except Incorrect:
         raised = True  # the error came through, as it should
     if not raised:
         raise Incorrect(_("given a model whose forward raises, predict returned normally: it hid the error; let it "
                           "propagate (restore the mode in a `finally` block, without an `except` that swallows it)"))
-    if not failing.training:
+    if not observe(lambda: bool(failing.training)):
         raise Incorrect(_("when forward raised, predict left the model in eval mode although it was in training "
                           "mode: likely mistake: the mode is restored after model(x), which an exception skips; "
                           "restore it in a `finally` block"))
@@ -571,11 +618,13 @@ def _check_at_limit(first_bad_layer) -> None:
             p.zero_()
         model[0].bias.copy_(torch.tensor([100.0, -100.0, 50.0]))
         model[2].bias.fill_(300.0)
-    got = call(first_bad_layer, model, torch.ones(2, 4), 100.0, name="first_bad_layer", check_mutation=False)
-    if _hooks_left(model):
+    got = observe(lambda: call(first_bad_layer, model, torch.ones(2, 4), 100.0, name="first_bad_layer",
+                               check_mutation=False))
+    left = observe(lambda: _hooks_left(model))
+    if left:
         raise Incorrect(_("after first_bad_layer returned, hooks are still registered on {left}: likely "
                           "mistake: the hooks were not removed (keep each handle and call handle.remove() in a "
-                          "finally block)").format(left=_hooks_left(model)))
+                          "finally block)").format(left=left))
     if got == "2":
         return
     shown = _("first_bad_layer(model, x, limit=100) returned {got!r}, expected '2' (its outputs are 300; layer '0' "
@@ -590,12 +639,13 @@ def _check_at_limit(first_bad_layer) -> None:
 
 
 def _check_first_bad_layer(first_bad_layer):
-    require_function(first_bad_layer, "first_bad_layer")
+    observe(lambda: _require_function(first_bad_layer, "first_bad_layer"))
     previous = None
     for what, model, x, expected in _cases():
-        got = call(first_bad_layer, model, x, name="first_bad_layer", check_mutation=False)
+        names = _leaves(model)  # as the checker built it, read before the learner's code has the model
+        got = observe(lambda: call(first_bad_layer, model, x, name="first_bad_layer", check_mutation=False))
         before, previous = previous, got
-        left = _hooks_left(model)
+        left = observe(lambda: _hooks_left(model))
         if left:
             raise Incorrect(_("after first_bad_layer returned, hooks are still registered on {left}: likely "
                               "mistake: the hooks were not removed (keep each handle and call handle.remove() in a "
@@ -605,7 +655,6 @@ def _check_first_bad_layer(first_bad_layer):
         if got is not None and not isinstance(got, str):
             raise Incorrect(_("first_bad_layer should return a module name (a str) or None, got {value}").format(
                 value=describe(got)))
-        names = [name for name, m in model.named_modules() if next(m.children(), None) is None]
         shown = _("for {what}, first_bad_layer returned {got!r}, expected {expected!r}").format(
             what=_(what), got=got, expected=expected)
         if got is not None and got == before:
@@ -642,10 +691,11 @@ def _check_first_bad_layer(first_bad_layer):
     _check_at_limit(first_bad_layer)
     raising = _Raising()
     try:
-        call(first_bad_layer, raising, torch.ones(2, 4), name="first_bad_layer", check_mutation=False)
+        observe(lambda: call(first_bad_layer, raising, torch.ones(2, 4), name="first_bad_layer",
+                             check_mutation=False))
     except Incorrect:
         pass  # the error may come through; the hooks must not stay behind
-    if _hooks_left(raising):
+    if observe(lambda: _hooks_left(raising)):
         raise Incorrect(_("when the model's forward raised, first_bad_layer left its hooks behind: likely mistake: "
                           "the hooks are removed after model(x), which an exception skips; remove them in a "
                           "`finally` block"))

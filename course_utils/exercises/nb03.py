@@ -21,7 +21,8 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from ..i18n import N_, _
-from .core import Exercise, Incorrect, Mistake, call, describe, register
+from .core import Exercise, Incorrect, Mistake, call, describe, register, short
+from .probe import hold, observe
 
 
 def _first_param(model: nn.Module) -> torch.Tensor:
@@ -53,38 +54,44 @@ def _check_to_model(to_model):
     x = torch.randn(2, 4, generator=torch.Generator().manual_seed(0))
     x_before = x.clone()
     model = nn.Linear(4, 3).to("meta", torch.bfloat16)  # a device other than the CPU, on any machine
-    out = _to_model_call(to_model, x, model)
-    if not torch.equal(x, x_before) or x.device.type != "cpu":
+
+    def first():
+        result = _to_model_call(to_model, x, model)
+        return result, result is x
+
+    out, returned_x = observe(first)
+    if not observe(lambda: torch.equal(x, x_before) and x.device.type == "cpu"):
         raise Incorrect(_("to_model changed x in place; return a new tensor and leave the caller's x as it was"))
-    if out is x or (isinstance(out, torch.Tensor) and out.device.type == "cpu" and out.dtype == torch.float32):
+    if returned_x or (isinstance(out, torch.Tensor) and out.device.type == "cpu" and out.dtype == torch.float32):
         raise Incorrect(_("to_model returned x unchanged (on cpu, float32) although the model is on meta in "
                           "bfloat16: likely mistake: calling x.to(...) without assignment; for a tensor, .to() "
                           "returns a new tensor and leaves x where it was"))
     if not isinstance(out, torch.Tensor):
         raise Incorrect(_("to_model should return a tensor, got {value}").format(value=describe(out)))
-    if out.shape != x.shape:
+    if out.shape != x_before.shape:
         raise Incorrect(_("to_model changed the shape from {before} to {after}").format(
-            before=tuple(x.shape), after=tuple(out.shape)))
-    if out.device != _first_param(model).device:
+            before=tuple(x_before.shape), after=tuple(out.shape)))
+    model_device = observe(lambda: _first_param(model).device)  # where the model is now (the answer may move it)
+    if out.device != model_device:
         raise Incorrect(_("the result is on {device}, the model on {model_device}: move x to "
                           "the device of the model's parameters").format(
-            device=out.device, model_device=_first_param(model).device))
+            device=out.device, model_device=model_device))
     if out.dtype != torch.bfloat16:
         raise Incorrect(_("the result is on the model's device but in {dtype}, the model in torch.bfloat16: "
                           "likely mistake: only the device was converted; ask the parameter for its dtype too"
                           ).format(dtype=out.dtype))
     # A second model (CPU, float64): the answer must follow the model, not hard-code meta or bfloat16.
     model64 = nn.Linear(4, 3).double()
-    out64 = _to_model_call(to_model, x, model64)
+    out64 = observe(lambda: _to_model_call(to_model, x, model64))
     if not isinstance(out64, torch.Tensor) or out64.dtype != torch.float64 or out64.device.type != "cpu":
         raise Incorrect(_("for a float64 model on the CPU, to_model returned {value}: read the device "
                           "and dtype from the model you are given instead of fixing them in the code"
                           ).format(value=describe(out64)))
-    if not torch.equal(out64, x.double()):
+    if not torch.equal(out64, x_before.double()):
         raise Incorrect(_("the values changed: converting should keep them (up to the new dtype's precision)"))
     # A model that is not one layer: a Sequential has no .weight of its own.
     stack = nn.Sequential(nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 2)).to("meta", torch.float16)
-    out16 = _to_model_call(to_model, x, stack)
+    out16 = observe(lambda: _to_model_call(to_model, x, stack))
     if not isinstance(out16, torch.Tensor) or out16.dtype != torch.float16 or out16.device.type != "meta":
         raise Incorrect(_("for an nn.Sequential on meta in float16, to_model returned {value}: read the device and "
                           "dtype from the model's parameters").format(value=describe(out16)))
@@ -144,45 +151,72 @@ def _leaves(batch: dict) -> list:
             batch["boxes"][0], batch["boxes"][1], batch["meta"]["scale"]]
 
 
-def _compare(moved, original, where: str, device: torch.device) -> None:
-    """`moved` must mirror `original` with every tensor on `device`; raises Incorrect otherwise."""
+def _mirror(moved, original):
+    """What `_compare` needs to know of `moved` (move_batch's output), as plain data, read along the structure of
+    `original` (so a self-containing answer cannot make it recurse without end): a tagged tuple per node."""
     if isinstance(original, torch.Tensor):
         if not isinstance(moved, torch.Tensor):
-            raise Incorrect(_("{where} should be a tensor, got {value}").format(where=where, value=describe(moved)))
-        if moved.device != device:
-            raise Incorrect(_("{where} is on {actual}, not on {device}: every tensor in the batch must be "
-                              "moved, however deeply it is nested (recurse into lists, tuples and dicts)").format(
-                where=where, actual=moved.device, device=device))
-        if moved.shape != original.shape or moved.dtype != original.dtype:
-            raise Incorrect(_("{where} changed from {shape} {dtype} to {new_shape} {new_dtype}: move it, "
-                              "don't convert it").format(where=where, shape=tuple(original.shape),
-                                                         dtype=original.dtype, new_shape=tuple(moved.shape),
-                                                         new_dtype=moved.dtype))
-        return
+            return ("not a tensor", describe(moved))
+        return ("tensor", moved.device, tuple(moved.shape), moved.dtype)
     if isinstance(original, (list, tuple, dict)):
         if type(moved) is not type(original):
+            return ("other type", describe(moved))
+        if isinstance(original, dict):
+            return ("dict", [(str.__str__(key) if isinstance(key, str) else key,
+                              _mirror(value, original[key]) if key in original else None)
+                             for key, value in moved.items()])
+        return ("sequence", len(moved), [_mirror(m, o) for m, o in zip(moved, original)])
+    return ("value", str.__str__(moved) if isinstance(moved, str) else moved)
+
+
+def _compare(mirror, original, where: str, device: torch.device) -> None:
+    """The output `mirror` describes (see `_mirror`) must mirror `original` with every tensor on `device`; raises
+    Incorrect otherwise."""
+    kind = mirror[0]
+    if isinstance(original, torch.Tensor):
+        if kind != "tensor":
+            raise Incorrect(_("{where} should be a tensor, got {value}").format(where=where, value=mirror[1]))
+        moved_device, moved_shape, moved_dtype = mirror[1:]
+        if moved_device != device:
+            raise Incorrect(_("{where} is on {actual}, not on {device}: every tensor in the batch must be "
+                              "moved, however deeply it is nested (recurse into lists, tuples and dicts)").format(
+                where=where, actual=moved_device, device=device))
+        if moved_shape != tuple(original.shape) or moved_dtype != original.dtype:
+            raise Incorrect(_("{where} changed from {shape} {dtype} to {new_shape} {new_dtype}: move it, "
+                              "don't convert it").format(where=where, shape=tuple(original.shape),
+                                                         dtype=original.dtype, new_shape=moved_shape,
+                                                         new_dtype=moved_dtype))
+        return
+    if isinstance(original, (list, tuple, dict)):
+        if kind == "other type":
             if isinstance(original, OrderedDict):
                 raise Incorrect(_("{where} was an OrderedDict and came back as {value}: likely mistake: a "
                                   "dict comprehension always builds a plain dict; build the same type, e.g. "
                                   "type(batch)((key, ...) for key, value in batch.items())").format(
-                    where=where, value=describe(moved)))
+                    where=where, value=mirror[1]))
             raise Incorrect(_("{where} was a {type} and came back as {value}: "
                               "keep each container's type (tuple stays tuple, list stays list)").format(
-                where=where, type=type(original).__name__, value=describe(moved)))
+                where=where, type=type(original).__name__, value=mirror[1]))
         if isinstance(original, dict):
-            if set(moved) != set(original):
+            items = mirror[1]
+            keys = [key for key, node in items]
+            if not all(type(key) is str for key in keys) or set(keys) != set(original):
+                shown = sorted(keys) if all(type(key) is str for key in keys) else sorted(keys, key=short)
                 raise Incorrect(_("{where} has keys {keys}, expected {expected}").format(
-                    where=where, keys=sorted(moved), expected=sorted(original)))
+                    where=where, keys=shown, expected=sorted(original)))
+            nodes = dict(items)
             for key in original:
-                _compare(moved[key], original[key], f"{where}[{key!r}]", device)
+                _compare(nodes[key], original[key], f"{where}[{key!r}]", device)
         else:
-            if len(moved) != len(original):
+            count, nodes = mirror[1:]
+            if count != len(original):
                 raise Incorrect(_("{where} has {count} items, expected {expected}").format(
-                    where=where, count=len(moved), expected=len(original)))
-            for i, (m, o) in enumerate(zip(moved, original)):
+                    where=where, count=count, expected=len(original)))
+            for i, (m, o) in enumerate(zip(nodes, original)):
                 _compare(m, o, f"{where}[{i}]", device)
         return
-    if moved is not original and moved != original:
+    moved = mirror[1]
+    if moved != original:
         raise Incorrect(_("{where} was {original!r} and came back as {value}: values that are not "
                           "tensors should pass through unchanged").format(
             where=where, original=original, value=describe(moved)))
@@ -202,7 +236,7 @@ def _check_move_batch(move_batch):
     before = leaves + [batch[key] for key in ("extra", "pair", "boxes", "meta")]
     target = torch.device("meta")  # every machine has it: the tensors really change device
     try:
-        out = call(move_batch, batch, target, name="move_batch", check_mutation=False)
+        out = hold(lambda: call(move_batch, batch, target, name="move_batch", check_mutation=False))
     except Incorrect as exc:
         what = _raised(str(exc))
         if "has no attribute 'to'" in str(exc):
@@ -218,18 +252,25 @@ def _check_move_batch(move_batch):
                               "constructor takes the fields as separate arguments, not one iterable: for a "
                               "namedtuple write type(batch)(*items)").format(error=what)) from None
         raise
-    now = _leaves(batch) + [batch[key] for key in ("extra", "pair", "boxes", "meta")]
-    if any(a is not b for a, b in zip(before, now)):
+
+    def batch_changed():
+        now = _leaves(batch) + [batch[key] for key in ("extra", "pair", "boxes", "meta")]
+        return any(a is not b for a, b in zip(before, now))
+
+    if observe(batch_changed):
         raise Incorrect(_("move_batch changed the caller's batch in place (its dict or list now holds the moved "
                           "tensors); build new containers and leave the input as it was"))
-    if out is None:
+    if observe(lambda: out is None):
         raise Incorrect(_("move_batch returned None: did you forget a `return`?"))
-    _compare(out, _sample_batch(), "batch", target)
-    deep = call(move_batch, _deep_batch(), target, name="move_batch", check_mutation=False)
+    _compare(observe(lambda: _mirror(out, _sample_batch())), _sample_batch(), "batch", target)
+    deep = observe(lambda: _mirror(call(move_batch, _deep_batch(), target, name="move_batch", check_mutation=False),
+                                   _deep_batch()))
     _compare(deep, _deep_batch(), "deep", target)
-    single = call(move_batch, torch.ones(3), target, name="move_batch", check_mutation=False)
+    single = observe(lambda: _mirror(call(move_batch, torch.ones(3), target, name="move_batch", check_mutation=False),
+                                     torch.ones(3)))
     _compare(single, torch.ones(3), _("a bare tensor"), target)
-    if call(move_batch, "text", target, name="move_batch", check_mutation=False) != "text":
+    text = observe(lambda: _mirror(call(move_batch, "text", target, name="move_batch", check_mutation=False), "text"))
+    if text[1] != "text":
         raise Incorrect(_("move_batch('text', device) should return 'text' unchanged"))
     return _("every tensor moved, the structure and the other values kept, the caller's batch untouched")
 
@@ -373,14 +414,25 @@ def _cores_seen_as(n: int):
         yield
 
 
+def _settings_seen(got):
+    """loader_settings' answer as plain data: a dict (of any dict type) as a plain dict whose keys are strings
+    where they were (anything else as its short repr), so DataLoader(**got) can run in the checker."""
+    if not isinstance(got, dict):
+        return got
+    return {str.__str__(k) if isinstance(k, str) else k if type(k) in (int, float, bool) else short(k): v
+            for k, v in got.items()}
+
+
 def _check_reads_no_machine(loader_settings) -> None:
     """The settings are for the machine the arguments describe: the same arguments on machines with other core
     counts give the same settings."""
     case = (1.0, 4.0, 64, 4, "cuda")
-    got = []
-    for n in (9, 13):
+
+    def on_machine(n: int):
         with _cores_seen_as(n):
-            got.append(call(loader_settings, *case, name="loader_settings"))
+            return _settings_seen(call(loader_settings, *case, name="loader_settings"))
+
+    got = [observe(lambda: on_machine(n)) for n in (9, 13)]
     if got[0] != got[1]:
         workers = [g.get("num_workers") if isinstance(g, dict) else g for g in got]
         raise Incorrect(_("loader_settings(sample_ms=1.0, step_ms=4.0, batch_size=64, cores=4, device_type='cuda') "
@@ -391,15 +443,16 @@ def _check_reads_no_machine(loader_settings) -> None:
 
 
 def _check_loader_settings(loader_settings):
-    if isinstance(loader_settings, type) or not callable(loader_settings):
-        raise Incorrect(_("loader_settings should be a function, got {value}").format(value=describe(loader_settings)))
+    if observe(lambda: isinstance(loader_settings, type) or not callable(loader_settings)):
+        raise Incorrect(_("loader_settings should be a function, got {value}").format(
+            value=observe(lambda: describe(loader_settings))))
     import math
     _check_reads_no_machine(loader_settings)
     for case in _FEED_CASES:
         sample_ms, step_ms, batch_size, cores, device_type = case
         label = (f"loader_settings(sample_ms={sample_ms}, step_ms={step_ms}, batch_size={batch_size}, "
                  f"cores={cores}, device_type={device_type!r})")
-        got = call(loader_settings, *case, name="loader_settings")
+        got = observe(lambda: _settings_seen(call(loader_settings, *case, name="loader_settings")))
         if not isinstance(got, dict):
             raise Incorrect(_("{label} should return a dict of DataLoader arguments, got {value}").format(
                 label=label, value=describe(got)))
@@ -577,8 +630,13 @@ def _check_load_weights(load_weights):
     torch.save(saved.state_dict(), buf)
     elsewhere = _claim_device(buf.getvalue(), _absent_cuda_device())
     model = nn.Linear(3, 2)
+
+    def first():
+        result = call(load_weights, io.BytesIO(elsewhere), model, name="load_weights", check_mutation=False)
+        return result is model, isinstance(result, tuple) and hasattr(result, "missing_keys"), describe(result)
+
     try:
-        out = call(load_weights, io.BytesIO(elsewhere), model, name="load_weights", check_mutation=False)
+        returned_model, returned_keys, out_text = observe(first)
     except Incorrect as exc:
         if "deserialize" in str(exc):
             raise Incorrect(_("torch.load failed on a checkpoint saved on a GPU this machine does not have: likely "
@@ -589,14 +647,14 @@ def _check_load_weights(load_weights):
                               "(its parameters could even live on several devices); ask one of its parameters: "
                               "next(model.parameters()).device")) from None
         raise
-    if out is not model:
-        if isinstance(out, tuple) and hasattr(out, "missing_keys"):
+    if not returned_model:
+        if returned_keys:
             raise Incorrect(_("load_weights returned what load_state_dict returns (missing and unexpected keys): "
                               "return the model itself"))
-        raise Incorrect(_("load_weights should return the model it was given, got {value}").format(
-            value=describe(out)))
-    for name, p in model.named_parameters():
-        if not torch.equal(p.detach().cpu(), saved.state_dict()[name]):
+        raise Incorrect(_("load_weights should return the model it was given, got {value}").format(value=out_text))
+    loaded = observe(lambda: [(name, p.detach().cpu()) for name, p in model.named_parameters()])
+    for name, p in loaded:
+        if not torch.equal(p, saved.state_dict()[name]):
             raise Incorrect(_("after loading, {name} does not hold the saved values: call model.load_state_dict"
                               ).format(name=name))
     # The same checkpoint given as a path, the other kind of source torch.load takes.
@@ -607,25 +665,37 @@ def _check_load_weights(load_weights):
         with open(path, "wb") as f:
             f.write(elsewhere)
         from_path = nn.Linear(3, 2)
+
+        def load_from_path():
+            try:
+                call(load_weights, path, from_path, name="load_weights", check_mutation=False)
+            except Incorrect as exc:  # the feedback names the file, not the temporary folder drawn at random
+                raise Incorrect(str(exc).replace(folder + os.sep, "")) from None
+            return [(n, p.detach().cpu()) for n, p in from_path.named_parameters()]
+
         try:
-            call(load_weights, path, from_path, name="load_weights", check_mutation=False)
+            loaded = observe(load_from_path)
         except Incorrect as exc:
             raise Incorrect(_("given a path (a str), {error}: likely mistake: source is used as a file object "
                               "(source.seek, source.read, io.BytesIO(...)); torch.load takes a path or a file object "
                               "as it is: hand it source").format(error=exc)) from None
-    if not all(torch.equal(p.detach().cpu(), saved.state_dict()[n]) for n, p in from_path.named_parameters()):
+    if not all(torch.equal(p, saved.state_dict()[n]) for n, p in loaded):
         raise Incorrect(_("given a path (a str), load_weights did not load the saved values into the model"))
     # A booby-trapped file: unpickling it calls a function. Loading it must fail, not run that function.
     trap = io.BytesIO()
     torch.save({"weight": torch.zeros(2, 3), "bias": _Trap()}, trap)
-    _payload_runs.clear()
-    refused = False
-    try:
-        call(load_weights, io.BytesIO(trap.getvalue()), nn.Linear(3, 2), name="load_weights",
-             check_mutation=False)
-    except Incorrect:
-        refused = True  # refusing the file is the right outcome
-    if _payload_runs:
+
+    def load_trap():  # whether load_weights refused the file, and whether the function hidden in it ran
+        _payload_runs.clear()
+        try:
+            call(load_weights, io.BytesIO(trap.getvalue()), nn.Linear(3, 2), name="load_weights",
+                 check_mutation=False)
+        except Incorrect:
+            return True, bool(_payload_runs)  # refusing the file is the right outcome
+        return False, bool(_payload_runs)
+
+    refused, payload_ran = observe(load_trap)
+    if payload_ran:
         raise Incorrect(_("loading a booby-trapped file ran the function hidden in it: likely mistake: "
                           "weights_only=False; unpickling can run any code, so load with weights_only=True "
                           "(the default since torch 2.6) and only tensors and plain containers come back"))
@@ -637,8 +707,12 @@ def _check_load_weights(load_weights):
     other = io.BytesIO()
     torch.save({"fc." + k: v for k, v in saved.state_dict().items()}, other)
     target = nn.Linear(3, 2)
-    try:
+
+    def load_other():
         call(load_weights, io.BytesIO(other.getvalue()), target, name="load_weights", check_mutation=False)
+
+    try:
+        observe(load_other)
     except Incorrect:
         pass  # load_state_dict's error about the keys came through
     else:
@@ -663,6 +737,7 @@ register(Exercise(
         "    return model\n"),
     setup="import torch\n",
     checker=_check_load_weights,
+    inside=N_("whether the function hidden in a booby-trapped file ran while the answer loaded it"),
     hints=[N_("torch.load(source, map_location=...) decides where the tensors land, whatever device the file "
               "names."),
            N_("Map them to the device of the model's parameters; weights_only=True refuses anything but tensors "

@@ -19,6 +19,7 @@ import torch
 from ._sync import HostReads, on_device
 from ..i18n import N_, _
 from .core import AnswerTimeout, Exercise, Incorrect, Mistake, call, describe, register
+from .probe import Opaque, hold, observe, short
 
 _READ_OP = "aten::_local_scalar_dense"  # every scalar read: .item(), float(), int(), bool(), formatting
 _ITEM_OP = "aten::item"                 # the op those call, which calls _READ_OP: one read, two nested events
@@ -33,17 +34,75 @@ def _as_number(value, label: str, what: str) -> float:
     return float(value)
 
 
+# --- a simulated clock (04.1, 04.5) -----------------------------------------------------------
+
+class _Clock:
+    """The wall clock the learner's code reads during a simulation (04.1, 04.5): it moves only while simulated work
+    runs (a sync that waits, a step), by that work's duration, so timings are exact on any machine, however busy. Its
+    CPU clocks (process_time) never move: waiting uses no CPU. Anything else is the real `time` module's."""
+
+    def __init__(self):
+        import types
+
+        self.now = 1000.0
+        real = time
+        fake = types.ModuleType("time")
+        fake.__dict__.update({k: getattr(real, k) for k in dir(real) if not k.startswith("__")})
+        fake.perf_counter = fake.monotonic = fake.time = lambda: self.now
+        fake.perf_counter_ns = fake.monotonic_ns = fake.time_ns = lambda: int(self.now * 1e9)
+        fake.process_time = fake.thread_time = lambda: 0.0
+        fake.process_time_ns = fake.thread_time_ns = lambda: 0
+        self.module = fake
+
+    def installed_in(self, fn):
+        """Swap the clock into `fn`'s globals (the module `time` and names imported from it) for a with block."""
+        import contextlib
+
+        namespace = getattr(fn, "__globals__", None)
+        if namespace is None:  # a callable object: its __call__'s module
+            namespace = getattr(getattr(type(fn), "__call__", None), "__globals__", {})
+        real = {getattr(time, name): name for name in ("perf_counter", "monotonic", "time", "perf_counter_ns",
+                                                        "monotonic_ns", "time_ns", "process_time", "thread_time",
+                                                        "process_time_ns", "thread_time_ns")}
+        swaps = {}
+        for key, value in list(namespace.items()):
+            if value is time:
+                swaps[key] = self.module
+            elif not isinstance(value, type) and callable(value) and _hashable(value) and value in real:
+                swaps[key] = getattr(self.module, real[value])
+
+        @contextlib.contextmanager
+        def swapped():
+            before = {key: namespace[key] for key in swaps}
+            namespace.update(swaps)
+            try:
+                yield
+            finally:
+                namespace.update(before)
+
+        return swapped()
+
+
+def _hashable(value) -> bool:
+    try:
+        hash(value)
+    except Exception:  # noqa: BLE001 (an unhashable object in the learner's module is not a clock)
+        return False
+    return True
+
+
 # --- 04.1 timing an asynchronous device -------------------------------------------------------
 
 class _SimulatedGPU:
     """`launch()` queues work and returns at once, like a CUDA kernel launch; `sync()` waits for the queue
-    (here: sleeps for it). Call k queues `work[k]` seconds. Records how long each sync really waited."""
+    (here: moves the simulated clock by the queued work, and sleeps for it, for a clock the swap does not reach).
+    Call k queues `work[k]` seconds. Records how long each sync waited."""
 
-    def __init__(self, work: list[float]):
-        self.work = work
+    def __init__(self, work: list[float], clock: _Clock):
+        self.work, self.clock = work, clock
         self.launches = 0
         self.pending: list[int] = []
-        self.done: dict[int, float] = {}  # call index -> seconds its sync actually waited (alone in the queue)
+        self.done: dict[int, float] = {}  # call index -> seconds its sync waited (alone in the queue)
         self.waited_for: list[list[int]] = []  # the calls each sync() waited for
 
     def launch(self) -> None:
@@ -55,12 +114,11 @@ class _SimulatedGPU:
         if not self.pending:
             return
         seconds = sum(self.work[k] if k < len(self.work) else self.work[-1] for k in self.pending)
-        t0 = time.perf_counter()
-        time.sleep(seconds)
-        waited = time.perf_counter() - t0
+        self.clock.now += seconds  # the clock the learner's code reads
+        time.sleep(seconds)  # and the real one, for answers timing with another module (timeit, torch.utils.benchmark)
         self.waited_for.append(list(self.pending))
         if len(self.pending) == 1:
-            self.done[self.pending[0]] = waited
+            self.done[self.pending[0]] = seconds
         self.pending.clear()
 
 
@@ -71,17 +129,24 @@ _WARMUP, _REPEATS = 3, 5
 
 
 def _check_median_time(median_time):
-    gpu = _SimulatedGPU(_WORK)
-    result = call(median_time, gpu.launch, gpu.sync, _WARMUP, _REPEATS, name="median_time", check_mutation=False)
+    def run():  # the simulated GPU lives where the answer runs: what it counted and timed comes back
+        clock = _Clock()  # the time the answer reads moves by the work waited for: exact on any machine
+        gpu = _SimulatedGPU(_WORK, clock)
+        with clock.installed_in(median_time):
+            result = call(median_time, gpu.launch, gpu.sync, _WARMUP, _REPEATS, name="median_time",
+                          check_mutation=False)
+        return result, gpu.launches, gpu.pending, gpu.done, gpu.waited_for
+
+    result, launches, pending, done, waited_for = observe(run)
     seconds = _as_number(result, "median_time", _("a number of seconds"))
-    if gpu.launches == _REPEATS:
+    if launches == _REPEATS:
         raise Incorrect(_("fn was called {repeats} times, not warmup + repeats = {expected}: likely "
                           "mistake: the warm-up calls are missing; the first calls pay one-time costs and must not "
                           "be timed").format(repeats=_REPEATS, expected=_WARMUP + _REPEATS))
-    if gpu.launches != _WARMUP + _REPEATS:
+    if launches != _WARMUP + _REPEATS:
         raise Incorrect(_("fn was called {launches} times; expected warmup + repeats = {expected}").format(
-            launches=gpu.launches, expected=_WARMUP + _REPEATS))
-    synced_each = not gpu.pending and all(k in gpu.done for k in range(_WARMUP, _WARMUP + _REPEATS))
+            launches=launches, expected=_WARMUP + _REPEATS))
+    synced_each = not pending and all(k in done for k in range(_WARMUP, _WARMUP + _REPEATS))
     if seconds < 0.001 and synced_each:
         raise Incorrect(_("median_time returned {us:.0f} us, though each timed call was followed by its sync(), which "
                           "waited for at least 2 ms of work: likely mistake: a clock that does not count waiting, "
@@ -91,15 +156,15 @@ def _check_median_time(median_time):
         raise Incorrect(_("median_time returned {us:.0f} us, but each call queues at least 4 ms of work: "
                           "likely mistake: the clock was read before sync() returned, so you timed the launch, not "
                           "the work. Call sync() after fn() and before reading the clock").format(us=seconds * 1e6))
-    if gpu.pending:
+    if pending:
         raise Incorrect(_("the work of the last call was never waited for: likely mistake: sync() runs before fn() "
                           "instead of after it, so each time ends before its own work is done (and includes the "
                           "previous call's). Per timed call: read the clock, fn(), sync(), read the clock"))
-    if any(min(group) < _WARMUP <= max(group) for group in gpu.waited_for):
+    if any(min(group) < _WARMUP <= max(group) for group in waited_for):
         raise Incorrect(_("the first timed sync() also waited for the warm-up's queued work: likely mistake: no "
                           "sync() after the warm-up calls, so the first timed call includes them. Call sync() once "
                           "after the warm-up, before the first clock read"))
-    timed = [gpu.done[k] for k in range(_WARMUP, _WARMUP + _REPEATS) if k in gpu.done]
+    timed = [done[k] for k in range(_WARMUP, _WARMUP + _REPEATS) if k in done]
     if len(timed) != _REPEATS:
         raise Incorrect(_("each timed call should be followed by its own sync() (fn(), sync(), read the clock): "
                           "one sync() after several calls times them together"))
@@ -108,7 +173,7 @@ def _check_median_time(median_time):
         raise Incorrect(_("median_time returned {value:g}, a thousand times the median of the timed calls in seconds "
                           "({median:.4f} s): likely mistake: the result is in milliseconds; return seconds, as "
                           "time.perf_counter() gives them").format(value=seconds, median=median))
-    every = [gpu.done[k] for k in range(_WARMUP + _REPEATS) if k in gpu.done]
+    every = [done[k] for k in range(_WARMUP + _REPEATS) if k in done]
     if len(every) == _WARMUP + _REPEATS:
         with_warmup = statistics.median(every)
         if abs(seconds - with_warmup) < abs(seconds - median):
@@ -157,6 +222,7 @@ register(Exercise(
     setup="import statistics\nimport time\n",
     checker=_check_median_time,
     timeout=5.0,
+    inside=N_("the calls and the syncs of a simulated device, counted while the answer ran"),
     hints=[N_("fn() only queues the work, like a CUDA kernel launch; sync() waits until the work is done."),
            N_("Read time.perf_counter() before fn() and again after sync(); collect `repeats` such times."),
            N_("statistics.median(times).")],
@@ -256,11 +322,17 @@ def _check_epoch_mean_loss(epoch_mean_loss):
         graphs.append(weakref.ref(saved))
         return on_device(weight * saved)
 
-    with HostReads() as reads:
-        result = call(epoch_mean_loss, train_step, len(_LOSSES), name="epoch_mean_loss", check_mutation=False)
-    if len(calls) != len(_LOSSES):
+    def run():  # the reads are counted, and the graphs seen alive, where the answer runs
+        with HostReads() as reads:
+            result = call(epoch_mean_loss, train_step, len(_LOSSES), name="epoch_mean_loss", check_mutation=False)
+        return result, len(calls), dict(reads.counts), alive
+
+    result, n_calls, counts, alive_seen = observe(run)
+    reads = HostReads()  # the counts as read where the answer ran, for their totals and their description
+    reads.counts.update(counts)
+    if n_calls != len(_LOSSES):
         raise Incorrect(_("train_step was called {calls} times for steps={steps}").format(
-            calls=len(calls), steps=len(_LOSSES)))
+            calls=n_calls, steps=len(_LOSSES)))
     if reads.total >= len(_LOSSES):
         raise Incorrect(_("{total} CPU-GPU syncs for {steps} steps ({reads}): likely mistake: "
                           "the loss is brought to the host every step; each of these waits for the GPU. Keep the "
@@ -280,11 +352,11 @@ def _check_epoch_mean_loss(epoch_mean_loss):
     if reads.total > 1:
         raise Incorrect(_("{total} syncs ({reads}): one is enough (a single .item() at the end)").format(
             total=reads.total, reads=reads.describe()))
-    if alive and alive[-1] >= len(_LOSSES) - 1:
+    if alive_seen and alive_seen[-1] >= len(_LOSSES) - 1:
         raise Incorrect(_("at the last step the autograd graphs of all {kept} earlier steps were still alive: likely "
                           "mistake: the losses were kept without .detach() (total += loss, or a list of the losses "
                           "themselves); each keeps its step's graph, so memory grows with the epoch. Keep "
-                          "train_step().detach()").format(kept=alive[-1]))
+                          "train_step().detach()").format(kept=alive_seen[-1]))
     return _("the mean loss of the epoch, read with a single sync")
 
 
@@ -300,6 +372,7 @@ register(Exercise(
         "    return torch.stack(losses).mean().item()  # the one sync\n"),
     setup="import torch\n",
     checker=_check_epoch_mean_loss,
+    inside=N_("host reads and live autograd graphs, counted while the answer ran"),
     hints=[N_("Adding tensors on the device queues work without waiting for it; .item() waits."),
            N_("Keep the detached losses (or a running tensor sum) and call .item() once, on the mean.")],
     mistakes=[
@@ -367,18 +440,23 @@ class _Machine:
 
 
 def _check_speedup(speedup):
-    if isinstance(speedup, type) or not callable(speedup):
-        raise Incorrect(_("speedup should be a function, got {value}").format(value=describe(speedup)))
+    if observe(lambda: isinstance(speedup, type) or not callable(speedup)):
+        raise Incorrect(_("speedup should be a function, got {value}").format(value=describe(observe(lambda: speedup))))
     rounds = 7  # not the default: the answer must use its argument
-    machine = _Machine()
-    result = call(speedup, lambda: machine.run("b"), lambda: machine.run("c"), machine.clock, rounds,
-                  name="speedup", check_mutation=False)
+
+    def run():  # the simulated machine lives where the answer runs: what it counted comes back
+        machine = _Machine()
+        result = call(speedup, lambda: machine.run("b"), lambda: machine.run("c"), machine.clock, rounds,
+                      name="speedup", check_mutation=False)
+        return result, machine.calls, machine.clock_reads, machine.calls_at_first_read
+
+    result, calls, clock_reads, calls_at_first_read = observe(run)
     value = _as_number(result, "speedup", _("a number (how many times faster candidate is)"))
-    if machine.clock_reads == 0:
+    if clock_reads == 0:
         raise Incorrect(_("clock() was never read: likely mistake: timing with time.perf_counter(); this machine is "
                           "simulated, so time it with the clock you are given"))
-    n_b, n_c = machine.calls.count("b"), machine.calls.count("c")
-    if (n_b, n_c) == (rounds, rounds) and machine.calls_at_first_read == 2 and sorted(machine.calls[:2]) == ["b", "c"]:
+    n_b, n_c = calls.count("b"), calls.count("c")
+    if (n_b, n_c) == (rounds, rounds) and calls_at_first_read == 2 and sorted(calls[:2]) == ["b", "c"]:
         raise Incorrect(_("each function was called {rounds} times: once untimed (the warm-up), then only {timed} "
                           "timed rounds for rounds={rounds}: likely mistake: a loop that stops one round short "
                           "(range(1, rounds)); time `rounds` rounds after the warm-up").format(
@@ -394,14 +472,14 @@ def _check_speedup(speedup):
     if (n_b, n_c) != (rounds + 1, rounds + 1):
         raise Incorrect(_("baseline was called {n_b} times and candidate {n_c}; expected rounds + 1 = {expected} "
                           "each (one warm-up, then one per round)").format(n_b=n_b, n_c=n_c, expected=rounds + 1))
-    true = machine.true_speedup
+    true = _Machine().true_speedup  # the checker's own: the speed-up the simulation is built with
     if abs(value / true - 1) < 0.06:
         return _("{value:.2f}x (the true speed-up is {true:.2f}x): alternating keeps both under the same load, "
                  "and the median of the rounds ignores the slow call").format(value=value, true=true)
     if abs(value * true - 1) < 0.2:
         raise Incorrect(_("speedup returned {value:.2f}, below 1: likely mistake: the ratio is inverted; the "
                           "speed-up is baseline's time / candidate's time").format(value=value))
-    timed = machine.calls[2:] if machine.calls[:2] in (["b", "c"], ["c", "b"]) else machine.calls
+    timed = calls[2:] if calls[:2] in (["b", "c"], ["c", "b"]) else calls
     if timed in (["b"] * rounds + ["c"] * rounds, ["c"] * rounds + ["b"] * rounds):
         raise Incorrect(_("speedup returned {value:.2f}x, the true speed-up is {true:.2f}x: likely mistake: all "
                           "calls of one function, then all of the other; the load changed in between, so they were "
@@ -437,6 +515,7 @@ register(Exercise(
     solution=_SPEEDUP_SOLUTION,
     setup="import statistics\nimport time\n",
     checker=_check_speedup,
+    inside=N_("the calls and clock reads of a simulated machine, counted while the answer ran"),
     hints=[N_("Time each call with two readings of clock(). Alternate: baseline, candidate, baseline, candidate, "
               "... so that whatever else the machine is doing weighs on both alike."),
            N_("Within a round the two calls ran under the same load: their ratio is fair. Across rounds the load "
@@ -527,13 +606,41 @@ _PROFILED = [
 ]
 
 
+_PROFILES: dict = {}  # (loop, steps) -> (the profile, its rows when made)
+
+
+def _rows(prof) -> list:
+    return [(e.key, e.count, e.cpu_time_total, e.self_cpu_time_total) for e in prof.key_averages()]
+
+
 def _profile(loop, steps):
+    """A profile of `loop` over `steps` steps, made once per process and kept: an answer checked twice is handed the
+    same profile, times included (they are in the feedback on a time column). Made again if an answer changed it."""
     from torch.profiler import ProfilerActivity, profile
 
+    kept = _PROFILES.get((loop, steps))
+    if kept is not None:
+        try:
+            if _rows(kept[0]) == kept[1]:
+                return kept[0]
+        except Exception:  # noqa: BLE001 (an answer broke the profile it was given: make a new one)
+            pass
     w, x = torch.ones(8, requires_grad=True), torch.linspace(0.5, 1.5, 8)
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         loop(w, x, steps)
+    _PROFILES[(loop, steps)] = (prof, _rows(prof))
     return prof
+
+
+def _times(prof, steps) -> list[float]:
+    """The time columns of the read operators' rows (whole, and per step): what a time mistaken for a count gives."""
+    times = []
+    for event in prof.key_averages():
+        if event.key in (_READ_OP, _ITEM_OP):
+            for attr in ("cpu_time_total", "self_cpu_time_total", "cpu_time"):
+                value = float(getattr(event, attr))
+                times += [value, value / steps]
+    return times
 
 
 def _near(a: float, b: float) -> bool:
@@ -541,13 +648,14 @@ def _near(a: float, b: float) -> bool:
 
 
 def _check_syncs_per_step(syncs_per_step):
-    if isinstance(syncs_per_step, type) or not callable(syncs_per_step):
-        raise Incorrect(_("syncs_per_step should be a function, got {value}").format(value=describe(syncs_per_step)))
+    if observe(lambda: isinstance(syncs_per_step, type) or not callable(syncs_per_step)):
+        raise Incorrect(_("syncs_per_step should be a function, got {value}").format(
+            value=describe(observe(lambda: syncs_per_step))))
     runs = []  # (label, expected, got, steps, prof)
     for label, expected, loop, steps in _PROFILED:
-        prof = _profile(loop, steps)
+        prof = hold(lambda: _profile(loop, steps))  # profiled where the answer reads it (its times are that process's)
         try:
-            got = call(syncs_per_step, prof, steps, name="syncs_per_step", check_mutation=False)
+            got = observe(lambda: call(syncs_per_step, prof, steps, name="syncs_per_step", check_mutation=False))
         except Incorrect as exc:
             if expected == 0 and any(kind in str(exc) for kind in ("IndexError", "StopIteration", "KeyError")):
                 raise Incorrect(_("for a loop with no read at all, {error}: likely mistake: when nothing was read the "
@@ -569,12 +677,7 @@ def _check_syncs_per_step(syncs_per_step):
     for label, expected, got, steps, prof in runs:
         if expected <= 0:
             continue
-        times = []
-        for event in prof.key_averages():
-            if event.key in (_READ_OP, _ITEM_OP):
-                for attr in ("cpu_time_total", "self_cpu_time_total", "cpu_time"):
-                    value = float(getattr(event, attr))
-                    times += [value, value / steps]
+        times = observe(lambda: _times(prof, steps))
         if any(_near(got, t) for t in times) and not _near(got, expected):
             raise Incorrect(_("for {label} you returned {got:g}, which is a time in microseconds, not a count: "
                               "likely mistake: a time column (cpu_time_total, ...) instead of the number of calls. "
@@ -651,53 +754,6 @@ register(Exercise(
 
 # --- 04.5 the fastest thread count, measured on a busy machine -----------------------------------------------------
 
-class _Clock:
-    """The wall clock the learner's code reads during the simulated steps: it moves only while a step runs, by that
-    step's duration, so timings are exact on any machine, however busy. Its CPU clocks (process_time) never move: a
-    step that waits uses no CPU. Anything else is the real `time` module's."""
-
-    def __init__(self):
-        import types
-
-        self.now = 1000.0
-        real = time
-        fake = types.ModuleType("time")
-        fake.__dict__.update({k: getattr(real, k) for k in dir(real) if not k.startswith("__")})
-        fake.perf_counter = fake.monotonic = fake.time = lambda: self.now
-        fake.perf_counter_ns = fake.monotonic_ns = fake.time_ns = lambda: int(self.now * 1e9)
-        fake.process_time = fake.thread_time = lambda: 0.0
-        fake.process_time_ns = fake.thread_time_ns = lambda: 0
-        self.module = fake
-
-    def installed_in(self, fn):
-        """Swap the clock into `fn`'s globals (the module `time` and names imported from it) for a with block."""
-        import contextlib
-
-        namespace = getattr(fn, "__globals__", None)
-        if namespace is None:  # a callable object: its __call__'s module
-            namespace = getattr(getattr(type(fn), "__call__", None), "__globals__", {})
-        real = {getattr(time, name): name for name in ("perf_counter", "monotonic", "time", "perf_counter_ns",
-                                                        "monotonic_ns", "time_ns", "process_time", "thread_time",
-                                                        "process_time_ns", "thread_time_ns")}
-        swaps = {}
-        for key, value in list(namespace.items()):
-            if value is time:
-                swaps[key] = self.module
-            elif not isinstance(value, type) and callable(value) and value in real:
-                swaps[key] = getattr(self.module, real[value])
-
-        @contextlib.contextmanager
-        def swapped():
-            before = {key: namespace[key] for key in swaps}
-            namespace.update(swaps)
-            try:
-                yield
-            finally:
-                namespace.update(before)
-
-        return swapped()
-
-
 class _ThreadedStep:
     """A step whose time depends on torch.get_num_threads() as it runs: `ms[n]` seconds per call, the first
     `slow_first[n]` calls under count n 40 ms slower (warm-up), and outliers: `{(n, k): seconds}` replaces the time of
@@ -722,24 +778,46 @@ class _ThreadedStep:
 
 
 def _check_fastest_threads(fastest_threads):
-    before = torch.get_num_threads()
+    # torch's thread count is the count of the process where the answer runs: read there, and put back there by
+    # every observation below (_under_threads), whatever the answer left
+    before = observe(lambda: torch.get_num_threads())
+    return _check_threads(fastest_threads, before)
+
+
+def _under_threads(start: int, fn):
+    """fn() with torch at `start` threads, then torch's count put back as it was (also if fn raises): (what fn
+    returned, the count fn left)."""
+    was = torch.get_num_threads()
+    torch.set_num_threads(start)
     try:
-        return _check_threads(fastest_threads, before)
+        out = fn()
+        return out, torch.get_num_threads()
     finally:
-        torch.set_num_threads(before)
+        torch.set_num_threads(was)
 
 
-def _run_counted(fastest_threads, step, start: int, *args, earlier: tuple = (), **kwargs):
+def _run_counted(fastest_threads, clock: _Clock, step, start: int, *args, earlier: tuple = (), **kwargs):
     """Call the answer with torch at `start` threads; check it ran step() warmup + repeats times under each count and
     put `start` back. `earlier`: the counts of the calls before this one."""
     counts = list(kwargs.get("counts", args[0] if args else (1, 2)))
     warmup, repeats = kwargs.get("warmup", args[1] if len(args) > 1 else 2), kwargs.get("repeats", 5)
-    torch.set_num_threads(start)
-    result = call(fastest_threads, step, *args, name="fastest_threads", check_mutation=False, **kwargs)
-    if isinstance(result, bool) or not isinstance(result, int):
+
+    def run():  # the step counts its calls under each thread count where the answer runs
+        with clock.installed_in(fastest_threads):
+            out, now = _under_threads(start, lambda: call(fastest_threads, step, *args, name="fastest_threads",
+                                                          check_mutation=False, **kwargs))
+        is_int = isinstance(out, int) and not isinstance(out, bool)
+        if is_int:
+            out = int(out)
+        elif type(out).__module__ == "numpy":  # shown as what it is (observed, a NumPy int would be a plain int)
+            out = Opaque(type(out).__name__, describe(out), short(out))
+        return out, is_int, now, step.calls
+
+    result, is_int, now, calls = observe(run)
+    if not is_int:
         raise Incorrect(_("fastest_threads returned {value}; expected one of the thread counts it was given, "
                           "an int").format(value=describe(result)))
-    missing, extra = sorted(set(counts) - set(step.calls)), sorted(set(step.calls) - set(counts))
+    missing, extra = sorted(set(counts) - set(calls)), sorted(set(calls) - set(counts))
     if missing:
         raise Incorrect(_("step never ran under {missing} thread(s), one of the counts {counts}: likely mistake: "
                           "torch.set_num_threads(n) must be called for each count in `counts` before timing it").format(
@@ -749,20 +827,20 @@ def _run_counted(fastest_threads, step, start: int, *args, earlier: tuple = (), 
                           "(the warm-up?) run before torch.set_num_threads(n); set the count before the warm-up "
                           "calls").format(extra=extra, counts=counts))
     expected = warmup + repeats
-    if any(step.calls[n] != expected for n in counts):
-        if sum(step.calls.values()) == expected * len(counts):
+    if any(calls[n] != expected for n in counts):
+        if sum(calls.values()) == expected * len(counts):
             raise Incorrect(_("step was called {calls} times under the counts {counts}: the warm-up ran under "
                               "another thread count; set the count before the warm-up calls").format(
-                calls=[step.calls[n] for n in counts], counts=counts))
+                calls=[calls[n] for n in counts], counts=counts))
         raise Incorrect(_("with warmup={warmup} and repeats={repeats}, step was called {calls} times under the "
                           "counts {counts}; expected warmup + repeats = {expected} under each (use the arguments, "
                           "not fixed numbers)").format(warmup=warmup, repeats=repeats,
-                                                       calls=[step.calls[n] for n in counts], counts=counts,
+                                                       calls=[calls[n] for n in counts], counts=counts,
                                                        expected=expected))
-    if torch.get_num_threads() != start:
+    if now != start:
         raise Incorrect(_("after fastest_threads, torch uses {now} threads; it used {start} before the call: read "
                           "torch.get_num_threads() at the start and put that count back, or every later cell runs "
-                          "with the count timed last").format(now=torch.get_num_threads(), start=start))
+                          "with the count timed last").format(now=now, start=start))
     if result not in counts and result in earlier:
         raise Incorrect(_("fastest_threads returned {value}, not one of {counts}, but a count of an earlier call: "
                           "likely mistake: the medians outlive the call (a dict created outside fastest_threads), so "
@@ -776,23 +854,26 @@ def _run_counted(fastest_threads, step, start: int, *args, earlier: tuple = (), 
 def _check_threads(fastest_threads, before: int):
     import inspect
 
-    try:
-        params = [(p.name, p.default) for p in inspect.signature(fastest_threads).parameters.values()]
-    except (TypeError, ValueError):
-        params = None
-    if params is not None and params != [("step", inspect.Parameter.empty), ("counts", (1, 2)), ("warmup", 2),
-                                         ("repeats", 5)]:
+    def parameters():
+        try:
+            signature = inspect.signature(fastest_threads)
+        except (TypeError, ValueError):
+            return None
+        return [(p.name, p.default is p.empty, None if p.default is p.empty else p.default)
+                for p in signature.parameters.values()]
+
+    params = observe(parameters)
+    if params is not None and params != [("step", True, None), ("counts", False, (1, 2)), ("warmup", False, 2),
+                                         ("repeats", False, 5)]:
         raise Incorrect(_("the signature must stay fastest_threads(step, counts=(1, 2), warmup=2, repeats=5), in "
                           "that order and with those defaults; yours is fastest_threads{signature}").format(
-            signature=inspect.signature(fastest_threads)))
+            signature=observe(lambda: str(inspect.signature(fastest_threads)))))
     # The simulated steps, timed on a simulated clock (exact on any machine), then a real step.
-    clock = _Clock()
-    with clock.installed_in(fastest_threads):
-        _check_simulated(fastest_threads, clock, before)
+    _check_simulated(fastest_threads, _Clock())
     return _check_real(fastest_threads, before)
 
 
-def _check_simulated(fastest_threads, clock: _Clock, before: int) -> None:
+def _check_simulated(fastest_threads, clock: _Clock) -> None:
     # 1 thread is faster once warmed up (4 ms against 12 ms); under 2 threads one call is an outlier of 0 ms, the last
     # one timed: a minimum, or a single call, picks 2. The counts in both orders: an answer whose times measure
     # nothing picks by order.
@@ -800,7 +881,7 @@ def _check_simulated(fastest_threads, clock: _Clock, before: int) -> None:
     for counts in ((1, 2), (2, 1)):
         step = _ThreadedStep({1: 0.004, 2: 0.012}, slow_first={1: 2, 2: 2}, outliers={(2, 7): 0.0}, clock=clock)
         args = () if counts == (1, 2) else (counts,)
-        picks[counts] = _run_counted(fastest_threads, step, 3, *args)  # 3 threads before: not a count it times
+        picks[counts] = _run_counted(fastest_threads, clock, step, 3, *args)  # 3 threads before: not a count it times
     if picks[(1, 2)] != picks[(2, 1)]:
         raise Incorrect(_("fastest_threads returned {a} for counts (1, 2) and {b} for (2, 1): the answer follows the "
                           "order of the counts, as if the times measured nothing: likely mistake: the clock does not "
@@ -815,7 +896,7 @@ def _check_simulated(fastest_threads, clock: _Clock, before: int) -> None:
     # 2 threads faster (6 ms against 10 ms); under 2 threads the warm-up is slow and one timed call is 66 ms: a mean or
     # a maximum, or warm-up calls timed too, pick 3. Other counts and arguments, by keyword.
     step = _ThreadedStep({2: 0.006, 3: 0.010}, slow_first={2: 3}, outliers={(2, 5): 0.066}, clock=clock)
-    result = _run_counted(fastest_threads, step, 1, counts=(2, 3), warmup=3, repeats=5, earlier=(1, 2))
+    result = _run_counted(fastest_threads, clock, step, 1, counts=(2, 3), warmup=3, repeats=5, earlier=(1, 2))
     if result != 2:
         raise Incorrect(_("with counts=(2, 3), warmup=3, repeats=5, fastest_threads returned 3; with 2 threads a step "
                           "takes 6 ms after 3 slow warm-up calls, except one timed call slowed to 66 ms by another "
@@ -823,24 +904,34 @@ def _check_simulated(fastest_threads, clock: _Clock, before: int) -> None:
                           "mean (or maximum), which one slow call drags up; the median of the calls after the warm-up "
                           "ignores it"))
     # an error in the step must reach the caller, with the thread count put back
-    torch.set_num_threads(2)
     failing = _ThreadedStep({1: 0.002, 2: 0.002}, fail_at=1, clock=clock)
-    try:
-        fastest_threads(failing, (1, 2), 2, 5)
-    except RuntimeError:
-        pass
-    except (AnswerTimeout, KeyboardInterrupt):
-        raise
-    except Exception as exc:  # noqa: BLE001 (the learner's own error: reported)
+
+    def attempt():
+        try:
+            fastest_threads(failing, (1, 2), 2, 5)
+        except RuntimeError:
+            return "raised", None
+        except (AnswerTimeout, KeyboardInterrupt):
+            raise
+        except Exception as exc:  # noqa: BLE001 (the learner's own error: reported)
+            return "other", type(exc).__name__
+        return "returned", None
+
+    def run_failing():
+        with clock.installed_in(fastest_threads):
+            return _under_threads(2, attempt)
+
+    (outcome, kind), now = observe(run_failing)
+    if outcome == "other":
         raise Incorrect(_("when step raised RuntimeError, fastest_threads raised {kind} instead: let the step's "
-                          "error reach the caller").format(kind=type(exc).__name__)) from None
-    else:
+                          "error reach the caller").format(kind=kind))
+    if outcome == "returned":
         raise Incorrect(_("step raised RuntimeError under 1 thread, but fastest_threads returned normally: the "
                           "error must reach the caller (do not catch it)"))
-    if torch.get_num_threads() != 2:
+    if now != 2:
         raise Incorrect(_("when step raised, torch was left with {now} threads instead of the 2 it had: put the count "
                           "read at the start back in a `finally:` block, so it is restored on errors too").format(
-            now=torch.get_num_threads()))
+            now=now))
     return None
 
 
@@ -849,20 +940,23 @@ def _check_real(fastest_threads, before: int):
     changed."""
     from ..threads import BusyCores
 
-    model = torch.nn.Linear(256, 256)
-    x = torch.randn(512, 256)
+    def run():
+        model = torch.nn.Linear(256, 256)
+        x = torch.randn(512, 256)
 
-    def real_step():
-        model.zero_grad(set_to_none=True)
-        model(x).square().mean().backward()
+        def real_step():
+            model.zero_grad(set_to_none=True)
+            model(x).square().mean().backward()
 
-    torch.set_num_threads(before)
-    with BusyCores(1):
-        real = call(fastest_threads, real_step, (1, 2), 2, 5, name="fastest_threads", check_mutation=False)
-    if real not in (1, 2) or torch.get_num_threads() != before:
+        with BusyCores(1):
+            return _under_threads(before, lambda: call(fastest_threads, real_step, (1, 2), 2, 5,
+                                                       name="fastest_threads", check_mutation=False))
+
+    real, now = observe(run)
+    if real not in (1, 2) or now != before:
         raise Incorrect(_("on a real step beside a busy core fastest_threads returned {value} and left {now} "
                           "threads (expected one of [1, 2], and {before} threads)").format(
-            value=describe(real), now=torch.get_num_threads(), before=before))
+            value=describe(real), now=now, before=before))
     return _("measured under each count after a warm-up, the median compared, the thread count put back (also on "
              "errors); beside a busy core, {real} thread(s) won on a real step this time").format(real=real)
 
@@ -896,6 +990,7 @@ register(Exercise(
     setup="import os\nimport statistics\nimport time\n\nimport torch\n",
     checker=_check_fastest_threads,
     timeout=60.0,
+    inside=N_("torch's thread count, and the calls of step() under each count, seen while the answer ran"),
     hints=[N_("For each n: torch.set_num_threads(n), the warm-up calls, then the timed calls "
               "(time.perf_counter() before and after each). On the CPU nothing runs asynchronously: no sync needed."),
            N_("Keep the medians in a dict keyed by n and return min(medians, key=medians.get)."),

@@ -13,6 +13,7 @@ and never leave a `SimulatedGPU` active, so a check leaves the notebook's state 
 """
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Callable
 
@@ -24,6 +25,7 @@ from ..i18n import N_, _
 from ..memory import SimulatedGPU, format_bytes
 from .core import (AnswerTimeout, Exercise, Incorrect, Mistake, _short, call, describe, register, require_function,
                    seeded)
+from .probe import observe
 
 
 def _mlp(width: int = 64, depth: int = 3, inputs: int = 32, seed: int = 0) -> nn.Sequential:
@@ -42,12 +44,22 @@ def _data(n: int, inputs: int = 32, seed: int = 1) -> tuple[torch.Tensor, torch.
 
 
 def _clone(model: nn.Module) -> nn.Module:
-    import copy
     return copy.deepcopy(model)
 
 
-def _same_parameters(a: nn.Module, b: nn.Module, rtol: float = 1e-5, atol: float = 1e-6) -> bool:
-    return all(torch.allclose(p, q, rtol=rtol, atol=atol) for p, q in zip(a.parameters(), b.parameters()))
+def _values(model: nn.Module) -> list[torch.Tensor]:
+    """Copies of the parameters' values: what the checker compares."""
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def _same_parameters(a: list[torch.Tensor], b: list[torch.Tensor], rtol: float = 1e-5, atol: float = 1e-6) -> bool:
+    """Two lists of parameter values (see `_values`) agree."""
+    return len(a) == len(b) and all(torch.allclose(p, q, rtol=rtol, atol=atol) for p, q in zip(a, b))
+
+
+def _require_function(answer, name: str) -> None:
+    """require_function, for observe(): nothing of the answer comes back."""
+    require_function(answer, name)
 
 
 # --- 05.1 parameters, gradients and optimizer state --------------------------------------------------
@@ -105,22 +117,23 @@ def _measured_state_bytes(case: int, opt_name: str) -> int:
 
 
 def _check_training_state_bytes(training_state_bytes):
-    require_function(training_state_bytes, "training_state_bytes")
+    observe(lambda: _require_function(training_state_bytes, "training_state_bytes"))
     for case, (label, make, _shape, dtype) in enumerate(_state_cases()):
         for opt_name in _OPTIMIZERS:
             with seeded(5):
                 model = make()
-            got = call(training_state_bytes, model, opt_name, name="training_state_bytes")
+            # what the checker knows of its model, read before the answer gets it
+            n_tensors = len(list(model.parameters()))
+            every = sum(p.numel() * p.element_size() for p in model.parameters())
+            trainable = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+            got = observe(lambda: call(training_state_bytes, model, opt_name, name="training_state_bytes"))
             if isinstance(got, torch.Tensor) or isinstance(got, bool) or not isinstance(got, (int, float)) \
                     or not math.isfinite(got):
                 raise Incorrect(_("training_state_bytes should return a number of bytes (an int), got {value}").format(
                     value=describe(got)))
             expected = _measured_state_bytes(case, opt_name)
-            n_tensors = len(list(model.parameters()))
             if abs(got - expected) <= 8 * n_tensors + 1e-3 * expected:  # Adam's 4-byte step counters
                 continue
-            every = sum(p.numel() * p.element_size() for p in model.parameters())
-            trainable = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
             shown = _("for {label} with {optimizer!r}: got {got:,.0f} bytes, but a real training step holds "
                       "{expected:,} bytes ({size}) of parameters, gradients and optimizer state").format(
                 label=_(label), optimizer=opt_name, got=got, expected=expected, size=format_bytes(expected))
@@ -237,9 +250,9 @@ def _oom_cases() -> list[tuple[dict, str]]:
 
 
 def _check_diagnose(diagnose):
-    require_function(diagnose, "diagnose")
+    observe(lambda: _require_function(diagnose, "diagnose"))
     for oom, expected in _oom_cases():
-        got = call(diagnose, dict(oom), name="diagnose", check_mutation=False)
+        got = observe(lambda: call(diagnose, dict(oom), name="diagnose", check_mutation=False))
         if not isinstance(got, str):
             raise Incorrect(_("diagnose should return one of {choices}, got {value}").format(
                 choices=_DIAGNOSES, value=describe(got)))
@@ -385,7 +398,7 @@ _ENDLESS = 8  # out-of-memory errors in one call: far more than halving 512 samp
 
 
 def _check_survive(survive):
-    require_function(survive, "survive")
+    observe(lambda: _require_function(survive, "survive"))
     *_unused, x, y = _survive_setup()
     oracle, oracle_opt, *_unused = _survive_setup()
     train_in_parts(oracle, oracle_opt, x, y, 1)  # the full-batch update, no memory limit
@@ -393,31 +406,40 @@ def _check_survive(survive):
                           (N_("where the full batch does not fit but halves do"), _budget_between(2, 1)),
                           (N_("where only quarters of the batch fit"), _budget_between(4, 2))):
         model, opt, *_unused = _survive_setup()
-        start = [p.detach().clone() for p in model.parameters()]
-        gpu = SimulatedGPU(budget, model=model, optimizer=opt)
-        failure = None
-        with gpu:
-            gpu.track(x, y)
-            try:
-                call(survive, model, opt, x, y, name="survive", check_mutation=False)
-            except Incorrect as exc:
-                failure = str(exc)
-            except AnswerTimeout:
-                if gpu.oom_count < _ENDLESS:
-                    raise
-                failure = _("it was still running after the time allowed")
+        start = _values(model)
+
+        def step():
+            """survive() on a SimulatedGPU of `budget`: (its failure or None, still running when the time was up,
+            the out-of-memory errors raised, the parameters after)."""
+            gpu = SimulatedGPU(budget, model=model, optimizer=opt)
+            failure, stalled = None, False
+            with gpu:
+                gpu.track(x, y)
+                try:
+                    call(survive, model, opt, x, y, name="survive", check_mutation=False)
+                except Incorrect as exc:
+                    failure = str(exc)
+                except AnswerTimeout:
+                    if gpu.oom_count < _ENDLESS:
+                        raise
+                    stalled = True
+            return failure, stalled, gpu.oom_count, _values(model)
+
+        failure, stalled, oom_count, after = observe(step)
+        if stalled:
+            failure = _("it was still running after the time allowed")
         where = _("on a simulated GPU {condition} ({budget})").format(condition=_(label), budget=format_bytes(budget))
         if failure is not None:
-            if "OutOfMemoryError" not in failure and gpu.oom_count >= _ENDLESS:  # an endless retry, then a crash
+            if "OutOfMemoryError" not in failure and oom_count >= _ENDLESS:  # an endless retry, then a crash
                 raise Incorrect(_("{where}: survive ran out of memory {count} times and never got through: likely "
                                   "mistake: the retry runs inside the except block (a recursive call from the except "
                                   "block too), where every failed attempt's tensors are still held, so each retry "
                                   "has less memory than the one before; leave the except block first, then retry. "
-                                  "(In the end: {failure})").format(where=where, count=gpu.oom_count,
+                                  "(In the end: {failure})").format(where=where, count=oom_count,
                                                                     failure=failure.split(" raised ", 1)[-1]))
             if "OutOfMemoryError" not in failure:
                 raise Incorrect(failure)
-            if gpu.oom_count <= 1:
+            if oom_count <= 1:
                 raise Incorrect(_("{where}: the out-of-memory error came out of survive: catch "
                                   "torch.OutOfMemoryError and retry the step in smaller parts").format(where=where))
             if "halves" in label:
@@ -426,11 +448,11 @@ def _check_survive(survive):
                                   "attempt's tensors; leave the except block first, then retry").format(where=where))
             raise Incorrect(_("{where}: survive still ran out of memory ({count} errors): keep halving the "
                               "parts (2, 4, 8, ...) until the step fits, each retry after the except block").format(
-                where=where, count=gpu.oom_count))
-        if all(torch.equal(p, s) for p, s in zip(model.parameters(), start)):
+                where=where, count=oom_count))
+        if all(torch.equal(p, s) for p, s in zip(after, start)):
             raise Incorrect(_("{where}: the parameters did not change: the batch was skipped; retry it in smaller "
                               "parts so that no data is lost").format(where=where))
-        if not _same_parameters(model, oracle):
+        if not _same_parameters(after, _values(oracle)):
             raise Incorrect(_("{where}: the update differs from the full batch's; use train_in_parts, which "
                               "weights each part by its share of the batch").format(where=where))
     return _("the same update as the full batch, however little memory there is")
@@ -456,6 +478,7 @@ register(Exercise(
                 "        parts *= 2\n"),
     setup="import torch\nimport torch.nn.functional as F\n\n" + _IN_PARTS_SOURCE,
     checker=_check_survive,
+    inside=N_("the out-of-memory errors a simulated GPU raised while the answer ran"),
     hints=[N_("A `while True:` loop around try/except: the next iteration starts after the except block has "
               "ended, so the failed attempt's tensors are already freed."),
            N_("In the except block only decide (or re-raise when parts cannot grow); double `parts` and loop.")],
@@ -503,7 +526,7 @@ def _leak_budget() -> int:
 
 
 def _check_clean_epoch(clean_epoch):
-    require_function(clean_epoch, "clean_epoch")
+    observe(lambda: _require_function(clean_epoch, "clean_epoch"))
     budget = _leak_budget()
     model, opt, batches = _leak_setup()
     oracle, oracle_opt, _batches = _leak_setup()
@@ -515,58 +538,69 @@ def _check_clean_epoch(clean_epoch):
             loss.backward()
             oracle_opt.step()
             oracle_losses.append(loss.detach())
-    with SimulatedGPU(budget, model=model, optimizer=opt) as gpu:
-        gpu.track(*[t for b in batches for t in b])
-        before = gpu.memory_allocated()
-        result = call(clean_epoch, model, opt, list(batches), name="clean_epoch", check_mutation=False)
-        after = gpu.memory_allocated()
-        if not (isinstance(result, tuple) and len(result) == 2 and all(isinstance(r, list) for r in result)):
-            raise Incorrect(_("clean_epoch should return a pair of lists (losses, errors), got {value}").format(
-                value=describe(result)))
-        losses, errors = result
-        if any(isinstance(e, BaseException) for e in errors):
-            raise Incorrect(_("memory after the epoch is {extra} above where it started: "
-                              "likely mistake: the exception object was kept; its __traceback__ holds the failed "
-                              "step's frames and, through them, every tensor the step had made; keep a message "
-                              "(str) instead").format(extra=format_bytes(after - before)))
-        if not all(isinstance(e, str) for e in errors):
-            raise Incorrect(_("errors should hold one message (a str) per batch that ran out of memory, got "
-                              "{values}").format(values=[describe(e) for e in errors]))
-        if any(isinstance(v, (int, float)) and not isinstance(v, bool) for v in losses):
-            raise Incorrect(_("the losses are Python numbers: likely mistake: a per-step .item() (or float()), "
-                              "which makes the CPU wait for the GPU at every step; keep loss.detach() (a tensor on "
-                              "the device) and convert once, after the epoch"))
-        if not all(isinstance(v, torch.Tensor) and v.dim() == 0 for v in losses):
-            raise Incorrect(_("losses should hold one 0-d loss tensor per batch that trained, got "
-                              "{values}").format(values=[describe(v) for v in losses][:4]))
-        if any(v.grad_fn is not None or v.requires_grad for v in losses):
-            raise Incorrect(_("the losses still carry their autograd graph (grad_fn): likely mistake: the loss was "
-                              "kept without .detach(); a loss kept this way before backward, or in evaluation "
-                              "without no_grad, keeps every activation alive; append loss.detach()"))
-        if len(errors) > 1 and len(losses) + len(errors) == len(_LEAK_SIZES):
-            raise Incorrect(_("of the batches of {sizes} samples only the one of 128 runs out of memory here, but "
-                              "{errors} did: likely mistake: something kept the failed step's tensors alive after "
-                              "the except block (the exception object in a variable, whose __traceback__ holds "
-                              "the step's frames), so the next batch had less memory; keep only str(e)").format(
-                sizes=list(_LEAK_SIZES), errors=len(errors)))
-        if len(errors) != 1 or len(losses) != 2:
-            raise Incorrect(_("of the batches of {sizes} samples only the one of 128 runs out of memory "
-                              "here: expected 2 losses and 1 error, got {losses} and {errors}").format(
-                sizes=list(_LEAK_SIZES), losses=len(losses), errors=len(errors)))
-        if not all(e.strip() for e in errors):
-            raise Incorrect(_("an error message is empty: keep the exception's text, e.g. str(e)"))
+
+    def epoch():
+        """clean_epoch() on a SimulatedGPU of `budget`: the memory it left behind and what it returned."""
+        with SimulatedGPU(budget, model=model, optimizer=opt) as gpu:
+            gpu.track(*[t for b in batches for t in b])
+            before = gpu.memory_allocated()
+            result = call(clean_epoch, model, opt, list(batches), name="clean_epoch", check_mutation=False)
+            extra = gpu.memory_allocated() - before  # while the returned losses still live
         grads = sum(p.grad.untyped_storage().nbytes() for p in model.parameters() if p.grad is not None)
-        allowance = grads + 2048 * (len(losses) + 1) + 64 * 1024
-        if after - before > allowance:
-            raise Incorrect(_("after the epoch {extra} more memory is in use than before "
-                              "(gradients and the kept losses need only {needed}): "
-                              "something still refers to a step's tensors").format(
-                extra=format_bytes(after - before), needed=format_bytes(grads + 512 * len(losses))))
+        if not (isinstance(result, tuple) and len(result) == 2 and all(isinstance(r, list) for r in result)):
+            return {"result": describe(result)}
+        losses, errors = result
+        return {"extra": extra, "grads": grads, "losses": list(losses), "errors": list(errors),
+                "kept_exception": any(isinstance(e, BaseException) for e in errors), "after": _values(model)}
+
+    seen = observe(epoch)
+    if "result" in seen:
+        raise Incorrect(_("clean_epoch should return a pair of lists (losses, errors), got {value}").format(
+            value=seen["result"]))
+    losses, errors, extra = seen["losses"], seen["errors"], seen["extra"]
+    if seen["kept_exception"]:
+        raise Incorrect(_("memory after the epoch is {extra} above where it started: "
+                          "likely mistake: the exception object was kept; its __traceback__ holds the failed "
+                          "step's frames and, through them, every tensor the step had made; keep a message "
+                          "(str) instead").format(extra=format_bytes(extra)))
+    if not all(isinstance(e, str) for e in errors):
+        raise Incorrect(_("errors should hold one message (a str) per batch that ran out of memory, got "
+                          "{values}").format(values=[describe(e) for e in errors]))
+    if any(isinstance(v, (int, float)) and not isinstance(v, bool) for v in losses):
+        raise Incorrect(_("the losses are Python numbers: likely mistake: a per-step .item() (or float()), "
+                          "which makes the CPU wait for the GPU at every step; keep loss.detach() (a tensor on "
+                          "the device) and convert once, after the epoch"))
+    if not all(isinstance(v, torch.Tensor) and v.dim() == 0 for v in losses):
+        raise Incorrect(_("losses should hold one 0-d loss tensor per batch that trained, got "
+                          "{values}").format(values=[describe(v) for v in losses][:4]))
+    if any(v.requires_grad for v in losses):  # observe() keeps requires_grad: set on every loss with a grad_fn
+        raise Incorrect(_("the losses still carry their autograd graph (grad_fn): likely mistake: the loss was "
+                          "kept without .detach(); a loss kept this way before backward, or in evaluation "
+                          "without no_grad, keeps every activation alive; append loss.detach()"))
+    if len(errors) > 1 and len(losses) + len(errors) == len(_LEAK_SIZES):
+        raise Incorrect(_("of the batches of {sizes} samples only the one of 128 runs out of memory here, but "
+                          "{errors} did: likely mistake: something kept the failed step's tensors alive after "
+                          "the except block (the exception object in a variable, whose __traceback__ holds "
+                          "the step's frames), so the next batch had less memory; keep only str(e)").format(
+            sizes=list(_LEAK_SIZES), errors=len(errors)))
+    if len(errors) != 1 or len(losses) != 2:
+        raise Incorrect(_("of the batches of {sizes} samples only the one of 128 runs out of memory "
+                          "here: expected 2 losses and 1 error, got {losses} and {errors}").format(
+            sizes=list(_LEAK_SIZES), losses=len(losses), errors=len(errors)))
+    if not all(e.strip() for e in errors):
+        raise Incorrect(_("an error message is empty: keep the exception's text, e.g. str(e)"))
+    grads = seen["grads"]
+    allowance = grads + 2048 * (len(losses) + 1) + 64 * 1024
+    if extra > allowance:
+        raise Incorrect(_("after the epoch {extra} more memory is in use than before "
+                          "(gradients and the kept losses need only {needed}): "
+                          "something still refers to a step's tensors").format(
+            extra=format_bytes(extra), needed=format_bytes(grads + 512 * len(losses))))
     for got, want in zip(losses, oracle_losses):
         if not torch.allclose(got, want, rtol=1e-5, atol=1e-6):
             raise Incorrect(_("the losses {got} differ from a plain training step's {expected}").format(
                 got=[round(float(v), 4) for v in losses], expected=[round(float(v), 4) for v in oracle_losses]))
-    if not _same_parameters(model, oracle):
+    if not _same_parameters(seen["after"], _values(oracle)):
         raise Incorrect(_("the parameters differ from two plain training steps on the batches that fit: zero the "
                           "gradients before each step, then forward, backward and optimizer.step()"))
     _check_other_errors_reach_the_caller(clean_epoch)
@@ -579,19 +613,27 @@ def _check_other_errors_reach_the_caller(clean_epoch):
     model, opt, batches = _leak_setup()
     with seeded(12):
         buggy = (torch.randn(16, 31), torch.randint(0, 10, (16,)))  # the model takes 32 features
-    try:
-        result = clean_epoch(model, opt, [batches[0], buggy, batches[2]])
-    except AnswerTimeout:
-        raise
-    except Exception:  # the shape error (or any error) reached the caller: as it should
+
+    def epoch():
+        """(whether the error reached the caller, the first error clean_epoch recorded instead, shown)"""
+        try:
+            result = clean_epoch(model, opt, [batches[0], buggy, batches[2]])
+        except AnswerTimeout:
+            raise
+        except Exception:  # the shape error (or any error) reached the caller: as it should
+            return True, None
+        errors = result[1] if isinstance(result, tuple) and len(result) == 2 and isinstance(result[1], list) else []
+        return False, _short(errors[0]) if errors else None
+
+    reached, recorded = observe(epoch)
+    if reached:
         return
-    errors = result[1] if isinstance(result, tuple) and len(result) == 2 and isinstance(result[1], list) else []
     raise Incorrect(_("a batch with a bug (16 samples of 31 features, for a model that takes 32) raised a "
                       "RuntimeError that is not an out-of-memory error, and clean_epoch went on{recorded}: likely "
                       "mistake: the except clause is broader than torch.OutOfMemoryError (Exception, RuntimeError "
                       "or a bare except), which hides real bugs as skipped batches; catch torch.OutOfMemoryError "
                       "only, and let every other error reach the caller").format(
-        recorded=_(" (recorded as {error})").format(error=_short(errors[0])) if errors else ""))
+        recorded=_(" (recorded as {error})").format(error=recorded) if recorded is not None else ""))
 
 
 _LEAK_SIG = ("def clean_epoch(model, optimizer, batches):\n"
@@ -617,6 +659,7 @@ register(Exercise(
                 "    return losses, errors\n"),
     setup="import torch\nimport torch.nn.functional as F\n",
     checker=_check_clean_epoch,
+    inside=N_("the memory a simulated GPU counted while the answer ran"),
     hints=[N_("Start from leaky_epoch above. Two things it keeps outlive the step: find what refers to the "
               "failed step's tensors after the except block has ended."),
            N_("An exception object keeps its __traceback__, and the traceback keeps every frame of the failed "
@@ -679,10 +722,11 @@ def _max_batch_cases() -> list[tuple[int, int, int]]:
 
 
 def _check_max_batch_size(max_batch_size):
-    require_function(max_batch_size, "max_batch_size")
+    observe(lambda: _require_function(max_batch_size, "max_batch_size"))
     for fixed, per, budget in _max_batch_cases():
         expected = max(0, (budget - fixed) // per)
-        got = call(max_batch_size, _affine(fixed, per), budget, name="max_batch_size", check_mutation=False)
+        got = observe(lambda: call(max_batch_size, _affine(fixed, per), budget, name="max_batch_size",
+                                   check_mutation=False))
         if isinstance(got, float) and got.is_integer():
             got = int(got)
         if isinstance(got, bool) or not isinstance(got, int):
@@ -762,7 +806,7 @@ def _accumulation_setup() -> tuple[nn.Module, torch.optim.Optimizer, list[tuple[
 
 def _group_updates(batches, k: int, divide: Callable[[int], float], last: bool = True, each: bool = False,
                    zero_each: bool = False):
-    """Parameters after accumulation by a given rule: loss / divide(group size); the last group applied or not;
+    """Parameter values after accumulation by a given rule: loss / divide(group size); the last group applied or not;
     `each`: a step after every micro-batch (no accumulation); `zero_each`: zero_grad before every micro-batch
     (only the group's last micro-batch counts)."""
     model, opt, _batches = _accumulation_setup()
@@ -780,16 +824,24 @@ def _group_updates(batches, k: int, divide: Callable[[int], float], last: bool =
                 opt.zero_grad(set_to_none=True)
         if not each:
             opt.step()
-    return model
+    return _values(model)
 
 
 def _check_accumulate(accumulate):
-    require_function(accumulate, "accumulate")
+    observe(lambda: _require_function(accumulate, "accumulate"))
     k = 3
     model, opt, batches = _accumulation_setup()
-    start = [p.detach().clone() for p in model.parameters()]
-    call(accumulate, model, opt, list(batches), k, name="accumulate", check_mutation=False)
-    if all(torch.equal(p, s) for p, s in zip(model.parameters(), start)):
+    start = _values(model)
+
+    def run(model, opt):
+        """accumulate() on the checker's model: the parameters after (the answer gets copies of the batches, so
+        what it does to them does not reach the checker's own)."""
+        given = [(x.clone(), y.clone()) for x, y in batches]
+        call(accumulate, model, opt, given, k, name="accumulate", check_mutation=False)
+        return _values(model)
+
+    after = observe(lambda: run(model, opt))
+    if all(torch.equal(p, s) for p, s in zip(after, start)):
         raise Incorrect(_("the parameters did not change: call optimizer.step() once per group"))
     # the oracle: one step per group on the group's micro-batches concatenated
     oracle, oracle_opt, _batches = _accumulation_setup()
@@ -801,38 +853,38 @@ def _check_accumulate(accumulate):
         oracle_opt.step()
     sizes = [len(batches[i:i + k]) for i in range(0, len(batches), k)]
     shown = _("with {count} micro-batches and k={k} (groups of {sizes})").format(count=len(batches), k=k, sizes=sizes)
-    if _same_parameters(model, oracle):
+    oracle = _values(oracle)
+    if _same_parameters(after, oracle):
         # the same run on a model whose p.grad still holds the gradients of an earlier backward (a cell run before)
-        model, opt, _batches = _accumulation_setup()
+        stale, stale_opt, _batches = _accumulation_setup()
         with seeded(30):
-            F.cross_entropy(model(torch.randn(4, 12)), torch.randint(0, 10, (4,))).backward()
-        call(accumulate, model, opt, list(batches), k, name="accumulate", check_mutation=False)
-        if not _same_parameters(model, oracle):
+            F.cross_entropy(stale(torch.randn(4, 12)), torch.randint(0, 10, (4,))).backward()
+        if not _same_parameters(observe(lambda: run(stale, stale_opt)), oracle):
             raise Incorrect(_("{shown}, on a model whose p.grad still held the gradients of an earlier backward: "
                               "the parameters differ from one step per group: likely mistake: zero_grad() only "
                               "after each step, so the first group's step also applied those old gradients; call "
                               "optimizer.zero_grad() at the start of each group, before its first "
                               "backward").format(shown=shown))
         return _("every update equals the big batch's, the short last group included")
-    if _same_parameters(model, _group_updates(batches, k, lambda n: k, last=False)):
+    if _same_parameters(after, _group_updates(batches, k, lambda n: k, last=False)):
         raise Incorrect(_("{shown}: likely mistake: the last group ({last} micro-batch) was never applied: a step "
                           "only when (i + 1) % k == 0, or a loop over the full groups only, leaves out the "
                           "micro-batches after the last full group; the shorter last group needs its step "
                           "too").format(shown=shown, last=sizes[-1]))
-    if _same_parameters(model, _group_updates(batches, k, lambda n: n, zero_each=True)) or \
-            _same_parameters(model, _group_updates(batches, k, lambda n: 1, zero_each=True)):
+    if _same_parameters(after, _group_updates(batches, k, lambda n: n, zero_each=True)) or \
+            _same_parameters(after, _group_updates(batches, k, lambda n: 1, zero_each=True)):
         raise Incorrect(_("{shown}: likely mistake: zero_grad() before every micro-batch, which throws away the "
                           "gradients the group accumulated so far, so each step applies only the last "
                           "micro-batch's; zero_grad once per group, before its first backward").format(shown=shown))
-    if _same_parameters(model, _group_updates(batches, k, lambda n: k)):
+    if _same_parameters(after, _group_updates(batches, k, lambda n: k)):
         raise Incorrect(_("{shown}: likely mistake: the shorter last group's loss was divided by k; divide each "
                           "group's losses by the number of micro-batches in that group").format(shown=shown))
-    if _same_parameters(model, _group_updates(batches, k, lambda n: 1)):
+    if _same_parameters(after, _group_updates(batches, k, lambda n: 1)):
         raise Incorrect(_("{shown}: likely mistake: the losses were not divided; accumulated gradients add up, "
                           "so a group of n micro-batches gives n times the mean gradient: divide each loss by "
                           "n").format(shown=shown))
-    if _same_parameters(model, _group_updates(batches, k, lambda n: n, each=True)) or \
-            _same_parameters(model, _group_updates(batches, k, lambda n: 1, each=True)):
+    if _same_parameters(after, _group_updates(batches, k, lambda n: n, each=True)) or \
+            _same_parameters(after, _group_updates(batches, k, lambda n: 1, each=True)):
         raise Incorrect(_("{shown}: likely mistake: a step after every micro-batch; accumulate the group's "
                           "gradients first, then one optimizer.step() and one zero_grad() per group").format(
             shown=shown))
@@ -932,18 +984,20 @@ _FIT_RULES = [  # (a rule a learner may write, its feedback)
 
 
 def _check_will_fit(will_fit):
-    require_function(will_fit, "will_fit")
-    cases = []
-    for est in _fit_estimates():
+    observe(lambda: _require_function(will_fit, "will_fit"))
+    cases, handed = [], []  # the checker reads only its own copy of each estimate, the answer gets the other
+    for given in _fit_estimates():
+        est = copy.deepcopy(given)
         needed = est.total - est.parameters - est.batch
         parts = est.parameters + est.gradients + est.optimizer_state + est.activations
         for free in (needed, needed - 1, (needed + est.total) // 2, (est.activations + needed) // 2,
                      (needed + min(parts, est.total)) // 2, est.total, est.activations,
                      needed + est.batch // 2, needed - est.gradients // 2, needed - est.optimizer_state // 2):
             cases.append((est, free, needed <= free))
+            handed.append(given)
     answers = []
-    for est, free, _fits in cases:
-        got = call(will_fit, est, free, name="will_fit", check_mutation=False)
+    for (_est, free, _fits), given in zip(cases, handed):
+        got = observe(lambda: call(will_fit, given, free, name="will_fit", check_mutation=False))
         if not isinstance(got, bool):
             raise Incorrect(_("will_fit should return True or False, got {value}").format(value=describe(got)))
         answers.append(got)

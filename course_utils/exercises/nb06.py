@@ -25,6 +25,7 @@ from ..amp import OpDtypes, underflow_fraction
 from ..i18n import N_, _
 from .core import (AnswerTimeout, Exercise, Incorrect, Mistake, NotAttempted, _short, call, describe, register,
                    require_function, seeded)
+from .probe import observe
 
 _LOW = (torch.bfloat16, torch.float16)
 
@@ -89,17 +90,26 @@ def _check_tables() -> list[tuple[str, dict[str, OpDtypes]]]:
     ]
 
 
+def _roles_of(autocast_roles, table) -> tuple[bool, Any]:
+    """In the learner's process: (True, its (key, role) pairs) when autocast_roles(table) gives a dict, else
+    (False, what it gave)."""
+    out = call(autocast_roles, table, name="autocast_roles")
+    return (True, list(out.items())) if isinstance(out, dict) else (False, out)
+
+
 def _check_autocast_roles(autocast_roles):
-    require_function(autocast_roles, "autocast_roles")
+    observe(lambda: require_function(autocast_roles, "autocast_roles"))
     for label, table in _check_tables():
         label = _(label)
-        got = call(autocast_roles, table, name="autocast_roles")
-        if not isinstance(got, dict):
+        is_dict, got = observe(lambda: _roles_of(autocast_roles, table))
+        if not is_dict:
             raise Incorrect(_("autocast_roles should return a dict {{op name: role}}, got {value}").format(
                 value=describe(got)))
-        if set(got) != set(table):
+        keys = [k for k, _v in got]
+        if not all(type(k) is str for k in keys) or set(keys) != set(table):  # a key that is no str is no op name
             raise Incorrect(_("for {label}, the keys should be the op names of the table {names}, "
-                              "got {keys}").format(label=label, names=sorted(table), keys=sorted(map(str, got))))
+                              "got {keys}").format(label=label, names=sorted(table), keys=sorted(map(str, keys))))
+        got = dict(got)
         bad = {k: v for k, v in got.items() if v not in _ROLES}
         if bad:
             raise Incorrect(_("roles must be one of {roles}, got {bad}").format(roles=_ROLES, bad=bad))
@@ -219,12 +229,12 @@ def _gradient_like() -> torch.Tensor:
 
 
 def _check_flushed_fraction(flushed_fraction):
-    require_function(flushed_fraction, "flushed_fraction")
+    observe(lambda: require_function(flushed_fraction, "flushed_fraction"))
     grads = _gradient_like()
     nonzero = int((grads != 0).sum())
     for scale in (1.0, 2.0 ** 10, 2.0 ** 16):
         expected = underflow_fraction(grads, torch.float16, scale=scale)  # course_utils.amp as the oracle
-        got = _as_number(call(flushed_fraction, grads.clone(), scale, name="flushed_fraction"),
+        got = _as_number(observe(lambda: call(flushed_fraction, grads.clone(), scale, name="flushed_fraction")),
                          f"flushed_fraction(grads, {scale:g})")
         if abs(got - expected) <= 1e-6:  # float32 arithmetic is fine
             continue
@@ -261,7 +271,7 @@ def _check_flushed_fraction(flushed_fraction):
                               "x.half() == 0").format(label=label))
         raise Incorrect(label)
     zeros = torch.zeros(5)
-    got = call(flushed_fraction, zeros, 1.0, name="flushed_fraction")
+    got = observe(lambda: call(flushed_fraction, zeros, 1.0, name="flushed_fraction"))
     if isinstance(got, torch.Tensor) or isinstance(got, bool) or not isinstance(got, (int, float)) or got != 0:
         raise Incorrect(_("for an all-zero tensor (no nonzero value at all) the answer should be 0.0, got "
                           "{value}: guard the division").format(value=describe(got)))
@@ -283,6 +293,7 @@ register(Exercise(
                 "    return int(flushed.sum()) / n if n else 0.0\n"),
     setup="import torch\n",
     checker=_check_flushed_fraction,
+    inside=N_("whether the answer changed its argument in place, seen while it ran"),
     hints=[N_("Multiply in float32 first, then cast with .half(): a value that became 0 in float16 cannot be "
               "brought back by scaling afterwards."),
            N_("Count only values that were nonzero before the cast: (x != 0) & (x.half() == 0). Return a Python "
@@ -328,7 +339,9 @@ def _params(model: nn.Module) -> list[torch.Tensor]:
     return [p.detach().clone() for p in model.parameters()]
 
 
-def _run_learner_step(fp16_step, model, optimizer, scaler, x, y, label: str):
+def _run_learner_step(fp16_step, model, optimizer, scaler, x, y) -> tuple[Any, torch.dtype | None]:
+    """In the learner's process: fp16_step(model, optimizer, scaler, x, y) with its errors explained; returns what
+    it returned and the dtype the first Linear layer produced (None if the model never ran)."""
     first = model[0]
     seen: list[torch.dtype] = []
     handle = first.register_forward_hook(lambda m, args, out: seen.append(out.dtype))
@@ -360,16 +373,29 @@ def _run_learner_step(fp16_step, model, optimizer, scaler, x, y, label: str):
     finally:
         handle.remove()
         step_handle.remove()
-    if seen and seen[0] != torch.float16:
-        which = "bfloat16" if seen[0] == torch.bfloat16 else str(seen[0]).removeprefix("torch.")
+    return out, (seen[0] if seen else None)
+
+
+def _observed_step(fp16_step, model, optimizer, scaler, x, y, label: str) -> tuple[list, float, Any, list, float]:
+    """One learner step, run where the answer lives: the weights and the scale before, what fp16_step returned,
+    the weights and the scale after (the first layer's dtype is judged here). The batch goes in as a copy, so that
+    the checker's own x and y stay as they were for the reference."""
+    def run():
+        before, scale_before = _params(model), scaler.get_scale()
+        out, first_dtype = _run_learner_step(fp16_step, model, optimizer, scaler, x.clone(), y.clone())
+        return before, scale_before, out, first_dtype, _params(model), scaler.get_scale()
+
+    before, scale_before, out, first_dtype, after, scale_after = observe(run)
+    if first_dtype is not None and first_dtype != torch.float16:
+        which = "bfloat16" if first_dtype == torch.bfloat16 else str(first_dtype).removeprefix("torch.")
         raise Incorrect(_("{label}: the first Linear layer produced {which}, expected float16: wrap the forward "
                           "pass and the loss in torch.amp.autocast(x.device.type, dtype=torch.float16)").format(
             label=label, which=which))
-    return out
+    return before, scale_before, out, after, scale_after
 
 
 def _check_fp16_step(fp16_step):
-    require_function(fp16_step, "fp16_step")
+    observe(lambda: require_function(fp16_step, "fp16_step"))
     with seeded(3):
         base = _tiny_model()
         x, y = torch.randn(8, 6), torch.randint(0, 3, (8,))
@@ -378,9 +404,10 @@ def _check_fp16_step(fp16_step):
     opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, ref))
     scaler, ref_scaler = (torch.amp.GradScaler("cpu", init_scale=2.0 ** 12, growth_interval=1000) for _ in "ab")
 
+    # model, opt and scaler are handed to the learner's code: read only through _observed_step
     for k, (xb, yb) in enumerate([(x, y), (x2, y2)], 1):
-        before = _params(model)
-        out = _run_learner_step(fp16_step, model, opt, scaler, xb, yb, _("step {k}").format(k=k))
+        before, _scale_before, out, after, scale = _observed_step(fp16_step, model, opt, scaler, xb, yb,
+                                                                  _("step {k}").format(k=k))
         ref_before = _params(ref)
         ref_loss = _reference_step(ref, ref_opt, ref_scaler, xb, yb)
         if not isinstance(out, torch.Tensor) or out.numel() != 1:
@@ -389,7 +416,7 @@ def _check_fp16_step(fp16_step):
         if out.requires_grad:
             raise Incorrect(_("fp16_step returned a loss that still holds the autograd graph: return loss.detach()"))
         if not torch.allclose(out.float(), ref_loss.float(), rtol=1e-3, atol=1e-4):
-            if torch.allclose(out.float(), ref_loss.float() * scaler.get_scale(), rtol=1e-3) or \
+            if torch.allclose(out.float(), ref_loss.float() * scale, rtol=1e-3) or \
                     torch.allclose(out.float(), ref_loss.float() * ref_scaler.get_scale(), rtol=1e-3):
                 raise Incorrect(_("step {k} returned a loss of {loss:.5f}, the cross-entropy {expected:.5f} times "
                                   "the scale: likely mistake: the scaled loss was returned; keep the loss itself, "
@@ -397,7 +424,7 @@ def _check_fp16_step(fp16_step):
                     k=k, loss=float(out), expected=float(ref_loss)))
             raise Incorrect(_("step {k} returned a loss of {loss:.5f}; cross-entropy of the batch under float16 "
                               "autocast is {expected:.5f}").format(k=k, loss=float(out), expected=float(ref_loss)))
-        for p, q, p0, q0 in zip(model.parameters(), ref.parameters(), before, ref_before):
+        for p, q, p0, q0 in zip(after, ref.parameters(), before, ref_before):
             if torch.allclose(p, q, rtol=1e-4, atol=1e-6):
                 continue
             if out.dtype == torch.float16:
@@ -416,27 +443,26 @@ def _check_fp16_step(fp16_step):
                                   "step 1 were still there; call optimizer.zero_grad() at the start of each step"))
             raise Incorrect(_("after step {k} the weights differ from a reference fp16 step with loss scaling").format(
                 k=k))
-        if scaler.get_scale() != ref_scaler.get_scale():
+        if scale != ref_scaler.get_scale():
             raise Incorrect(_("after step {k} the scale is {scale:g}, expected {expected:g}").format(
-                k=k, scale=scaler.get_scale(), expected=ref_scaler.get_scale()))
+                k=k, scale=scale, expected=ref_scaler.get_scale()))
 
     bad = x.clone()
     bad[0, 0] = float("inf")  # a batch that overflows: its gradients are inf/nan, so the step must be skipped
-    before, scale_before = _params(model), scaler.get_scale()
-    _run_learner_step(fp16_step, model, opt, scaler, bad, y, _("the overflow step"))
-    after = _params(model)
+    before, scale_before, _out, after, scale = _observed_step(fp16_step, model, opt, scaler, bad, y,
+                                                              _("the overflow step"))
     if not all(torch.isfinite(p).all() for p in after):
         raise Incorrect(_("a batch with an inf made the weights inf/nan: likely mistake: the step was not skipped; "
                           "scaler.step(optimizer) checks the gradients and skips optimizer.step() on inf/nan"))
     if not all(torch.equal(a, b) for a, b in zip(before, after)):
         raise Incorrect(_("a batch whose gradients overflow changed the weights; that step should be skipped "
                           "(scaler.step(optimizer) does it)"))
-    if scaler.get_scale() == scale_before:
+    if scale == scale_before:
         raise Incorrect(_("after an overflow the scale is still {scale:g}: likely mistake: scaler.update() "
                           "was not called; it halves the scale after a skipped step").format(scale=scale_before))
-    if scaler.get_scale() != scale_before / 2:
+    if scale != scale_before / 2:
         raise Incorrect(_("after an overflow the scale went from {before:g} to {after:g}; "
-                          "GradScaler halves it").format(before=scale_before, after=scaler.get_scale()))
+                          "GradScaler halves it").format(before=scale_before, after=scale))
     return _("two steps match the reference, and the overflow step was skipped with the scale halved")
 
 
@@ -456,6 +482,7 @@ register(Exercise(
                 "    return loss.detach()\n"),
     setup="import torch\nimport torch.nn.functional as F\n",
     checker=_check_fp16_step,
+    inside=N_("the dtype the first layer produced, seen by a hook while the answer ran"),
     hints=[N_("Four parts: zero the gradients; forward and loss inside torch.amp.autocast(x.device.type, "
               "dtype=torch.float16); backward of the scaled loss; step and update through the scaler."),
            N_("scaler.scale(loss).backward(), then scaler.step(optimizer) (not optimizer.step()), then "
@@ -549,48 +576,53 @@ def _enter(cm: Any, label: str, probe: bool) -> str | None:
     return inside
 
 
-def _check_matmul_precision(matmul_precision):
-    require_function(matmul_precision, "matmul_precision")
+def _precision_around(matmul_precision, before: str, precision: str, probe: bool) -> tuple[str | None, str]:
+    """In the learner's process (the setting is global there): with the precision at `before`, run
+    `with matmul_precision(precision):` (raising inside when `probe`); returns the precision seen inside the block
+    and the one after it. The setting in force before the check is put back."""
     try:
         original = torch.get_float32_matmul_precision()
     except RuntimeError:
         original = "highest"
     try:
-        torch.set_float32_matmul_precision("high")  # not the default, so "restore the default" shows up
-        cm = call(matmul_precision, "medium", name="matmul_precision")
-        inside = _enter(cm, "matmul_precision('medium')", probe=False)
-        after = _precision()
-        if inside != "medium":
-            raise Incorrect(_("inside `with matmul_precision('medium'):` the precision was {inside!r}, expected "
-                              "'medium'").format(inside=inside))
-        # the same with a block that raises, before judging the first: the two together tell the causes apart
-        torch.set_float32_matmul_precision("highest")
-        cm = call(matmul_precision, "high", name="matmul_precision")
-        _enter(cm, "matmul_precision('high')", probe=True)
-        after_raise = _precision()
-        if after == "medium" and after_raise == "highest":
-            raise Incorrect(_("after the block the precision is still 'medium', expected 'high' (the setting "
-                              "before); it is put back only when the block raises: likely mistake: the restore is "
-                              "in an except clause; put it in a finally, which runs on both ways out"))
-        if after == "medium":
-            raise Incorrect(_("after the block the precision is still 'medium', expected 'high' (the setting "
-                              "before): likely mistake: nothing was put back, or the value put back was read after "
-                              "setting the new one; read torch.get_float32_matmul_precision() before "
-                              "torch.set_float32_matmul_precision(precision), and set it back in a finally"))
-        if after != "high":
-            if after == "highest":
-                raise Incorrect(_("after the block the precision is {after!r}, expected 'high' (the setting before): "
-                                  "likely mistake: restored 'highest' (the default) instead of the setting in force "
-                                  "before the block ('high'); read it with torch.get_float32_matmul_precision() "
-                                  "first").format(after=after))
-            raise Incorrect(_("after the block the precision is {after!r}, expected 'high' (the setting "
-                              "before)").format(after=after))
-        if after_raise != "highest":
-            raise Incorrect(_("an exception inside the with block left the precision at {after!r} instead of "
-                              "restoring 'highest': likely mistake: the restore is skipped when the block raises; "
-                              "put it in a finally").format(after=after_raise))
+        torch.set_float32_matmul_precision(before)
+        cm = call(matmul_precision, precision, name="matmul_precision")
+        inside = _enter(cm, f"matmul_precision({precision!r})", probe=probe)
+        return inside, _precision()
     finally:
         torch.set_float32_matmul_precision(original)
+
+
+def _check_matmul_precision(matmul_precision):
+    observe(lambda: require_function(matmul_precision, "matmul_precision"))
+    # "high" before: not the default, so "restore the default" shows up
+    inside, after = observe(lambda: _precision_around(matmul_precision, "high", "medium", probe=False))
+    if inside != "medium":
+        raise Incorrect(_("inside `with matmul_precision('medium'):` the precision was {inside!r}, expected "
+                          "'medium'").format(inside=inside))
+    # the same with a block that raises, before judging the first: the two together tell the causes apart
+    _inside, after_raise = observe(lambda: _precision_around(matmul_precision, "highest", "high", probe=True))
+    if after == "medium" and after_raise == "highest":
+        raise Incorrect(_("after the block the precision is still 'medium', expected 'high' (the setting "
+                          "before); it is put back only when the block raises: likely mistake: the restore is "
+                          "in an except clause; put it in a finally, which runs on both ways out"))
+    if after == "medium":
+        raise Incorrect(_("after the block the precision is still 'medium', expected 'high' (the setting "
+                          "before): likely mistake: nothing was put back, or the value put back was read after "
+                          "setting the new one; read torch.get_float32_matmul_precision() before "
+                          "torch.set_float32_matmul_precision(precision), and set it back in a finally"))
+    if after != "high":
+        if after == "highest":
+            raise Incorrect(_("after the block the precision is {after!r}, expected 'high' (the setting before): "
+                              "likely mistake: restored 'highest' (the default) instead of the setting in force "
+                              "before the block ('high'); read it with torch.get_float32_matmul_precision() "
+                              "first").format(after=after))
+        raise Incorrect(_("after the block the precision is {after!r}, expected 'high' (the setting "
+                          "before)").format(after=after))
+    if after_raise != "highest":
+        raise Incorrect(_("an exception inside the with block left the precision at {after!r} instead of "
+                          "restoring 'highest': likely mistake: the restore is skipped when the block raises; "
+                          "put it in a finally").format(after=after_raise))
     return _("set inside, the previous value back afterwards, even when the block raises")
 
 
@@ -611,6 +643,7 @@ register(Exercise(
                 "        torch.set_float32_matmul_precision(previous)\n"),
     setup="import contextlib\nimport torch\n",
     checker=_check_matmul_precision,
+    inside=N_("torch's float32 matmul precision, read inside and after the answer's with block"),
     hints=[N_("Read the current value with torch.get_float32_matmul_precision() before changing it."),
            N_("In a @contextlib.contextmanager generator, the code after `yield` runs when the block ends; put it in "
               "`finally:` so that it also runs when the block raises.")],
@@ -724,7 +757,7 @@ def _first_saving(peaks: _Peaks, max_batch: int) -> int | None:
 def _check_break_even(amp_break_even):
     from ..memory import format_bytes
 
-    require_function(amp_break_even, "amp_break_even")
+    observe(lambda: require_function(amp_break_even, "amp_break_even"))
     net, opt = _wide_mlp()
     scenarios = [
         # (what, fp32 peak, autocast peak, max_batch): the optimizer step sets both peaks for small batches,
@@ -745,16 +778,20 @@ def _check_break_even(amp_break_even):
     ]
     for what, fp32, amp, max_batch in scenarios:
         what = _(what)
-        peaks = _Peaks(fp32, amp)
-        try:
-            got = call(amp_break_even, peaks, max_batch, name="amp_break_even", check_mutation=False)
-        except Incorrect:
-            if peaks.calls <= _PEAK_BUDGET:
-                raise
-            raise Incorrect(_("for {what}, amp_break_even asked for more than {budget} peaks: likely mistake: "
-                              "trying every batch size in turn; each peak is a training step run on fake tensors. "
-                              "The answer splits the sizes in two (smaller: no saving, larger: saving): "
-                              "bisect").format(what=what, budget=_PEAK_BUDGET)) from None
+
+        def run():  # peak() is counted where the answer calls it
+            peaks = _Peaks(fp32, amp)
+            try:
+                return call(amp_break_even, peaks, max_batch, name="amp_break_even", check_mutation=False)
+            except Incorrect:
+                if peaks.calls <= _PEAK_BUDGET:
+                    raise
+                raise Incorrect(_("for {what}, amp_break_even asked for more than {budget} peaks: likely mistake: "
+                                  "trying every batch size in turn; each peak is a training step run on fake "
+                                  "tensors. The answer splits the sizes in two (smaller: no saving, larger: "
+                                  "saving): bisect").format(what=what, budget=_PEAK_BUDGET)) from None
+
+        got = observe(run)
         expected = _first_saving(_Peaks(fp32, amp), max_batch)
         if got == expected:
             continue
@@ -849,6 +886,7 @@ register(Exercise(
     solution=_BE_SOLUTION,
     setup="",
     checker=_check_break_even,
+    inside=N_("the peak() calls, counted while the answer ran"),
     timeout=30.0,
     hints=[N_("Autocast's 16-bit weight copies cost a fixed amount; its smaller activations save an amount that "
               "grows with the batch. So there is a batch size below which it never saves and from which it always "

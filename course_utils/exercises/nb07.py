@@ -9,8 +9,10 @@ from __future__ import annotations
 import copy
 import math
 import os
+import shutil
 import tempfile
 from pathlib import Path
+from typing import Any
 from unittest import mock
 
 import torch
@@ -19,6 +21,7 @@ from torch import nn
 from ..i18n import N_, _
 from ._sync import HostReads, on_device
 from .core import AnswerTimeout, Exercise, Incorrect, Mistake, NotAttempted, call, describe, register
+from .probe import hold, observe
 
 # --- a tiny, fixed training problem the checkers run the learner's code on ---------------------------
 
@@ -63,25 +66,35 @@ def _as_loss(value, label: str) -> float:
 # --- 07.1 one epoch, one sync ----------------------------------------------------------------------
 
 def _check_train_one_epoch(train_one_epoch):
-    if not callable(train_one_epoch):
-        raise Incorrect(_("train_one_epoch should be a function, got {value}").format(value=describe(train_one_epoch)))
+    if not observe(lambda: callable(train_one_epoch)):
+        raise Incorrect(_("train_one_epoch should be a function, got {value}").format(
+            value=observe(lambda: describe(train_one_epoch))))
     model, opt, loss_fn, loader = _problem(n=_EPOCH_SAMPLES)  # batches of 16, 16 and 8: the last is smaller
     ref_model, ref_opt = copy.deepcopy(model), None
     ref_opt = torch.optim.SGD(ref_model.parameters(), lr=0.1, momentum=0.9)
     batch_losses = []
     expected = _reference_epoch(ref_model, ref_opt, loss_fn, loader, batch_losses)
-    on_gpu = [(on_device(x), on_device(y)) for x, y in loader]  # batches "on the device": host reads are counted
-    steps = []  # at each optimizer.step(), the gradients it was given (read after the epoch: no host read)
-    step_hook = opt.register_step_pre_hook(lambda o, args, kwargs: steps.append(
-        [p.grad.detach().clone() for group in o.param_groups for p in group["params"] if p.grad is not None]))
-    try:
-        with HostReads() as reads:
-            out = call(train_one_epoch, model, opt, loss_fn, on_gpu, name="train_one_epoch", check_mutation=False)
-    finally:
-        step_hook.remove()
+    n_samples, sizes = sum(len(y) for _, y in loader), [len(y) for _, y in loader]  # before the answer sees them
+
+    def run():  # the epoch, its optimizer steps and its host reads, where the answer runs
+        on_gpu = [(on_device(x), on_device(y)) for x, y in loader]  # batches "on the device": host reads are counted
+        steps = []  # at each optimizer.step(), the gradients it was given (read after the epoch: no host read)
+        step_hook = opt.register_step_pre_hook(lambda o, args, kwargs: steps.append(
+            [p.grad.detach().clone() for group in o.param_groups for p in group["params"] if p.grad is not None]))
+        try:
+            with HostReads() as reads:
+                out = call(train_one_epoch, model, opt, loss_fn, on_gpu, name="train_one_epoch",
+                           check_mutation=False)
+        finally:
+            step_hook.remove()
+        return out, [p.detach().clone() for p in model.parameters()], steps, dict(reads.counts)
+
+    out, weights, steps, counts = observe(run)
+    reads = HostReads()  # the counts as read where the answer ran, for their total and their description
+    reads.counts.update(counts)
     got = _as_loss(out, "train_one_epoch")
-    weights_equal = all(torch.allclose(p, q, atol=1e-6) for p, q in zip(model.parameters(), ref_model.parameters()))
-    if all(torch.equal(p, q) for p, q in zip(model.parameters(), _problem(n=_EPOCH_SAMPLES)[0].parameters())):
+    weights_equal = all(torch.allclose(p, q, atol=1e-6) for p, q in zip(weights, ref_model.parameters()))
+    if all(torch.equal(p, q) for p, q in zip(weights, _problem(n=_EPOCH_SAMPLES)[0].parameters())):
         if steps and not any(bool(g.any()) for grads in steps for g in grads):
             raise Incorrect(_("the model's weights did not change: optimizer.step() ran {count} times, but every "
                               "time without gradients: likely mistake: zero_grad() between backward() and step() "
@@ -91,12 +104,10 @@ def _check_train_one_epoch(train_one_epoch):
     if not weights_equal:
         raise Incorrect(_("the weights after your epoch differ from a correct loop's: likely mistake: "
                           "optimizer.zero_grad() is missing, so gradients pile up across steps"))
-    n_samples = sum(len(y) for _, y in loader)
     if any(math.isclose(got, expected * k, rel_tol=1e-4) for k in (len(loader), n_samples)):
         raise Incorrect(_("returned {got:.4f}, a multiple of the mean loss {expected:.4f}: likely mistake: "
                           "the sum of the batch losses is returned instead of the mean over samples").format(
                               got=got, expected=expected))
-    sizes = [len(y) for _, y in loader]
     if math.isclose(got, sum(batch_losses) / len(batch_losses), rel_tol=1e-4):
         raise Incorrect(_("returned {got:.4f}, the mean of the batch losses; the mean over samples is "
                           "{expected:.4f}: likely mistake: a mean of means, dividing by the number of batches; with "
@@ -142,6 +153,7 @@ register(Exercise(
     solution=_EPOCH_SOLUTION,
     setup="import torch\n",
     checker=_check_train_one_epoch,
+    inside=N_("host reads, counted while the answer ran"),
     hints=[N_("The four lines of a step: zero_grad, forward + loss, backward, step."),
            N_("Keep a running total as a tensor: `total += loss.detach() * len(y)`; call `.item()` once at the end."),
            N_("The mean over samples is total / number of samples, not total / number of batches (the last batch "
@@ -185,17 +197,19 @@ register(Exercise(
 # --- 07.2 a minimal Trainer -----------------------------------------------------------------------
 
 def _check_mini_trainer(MiniTrainer):
-    if not isinstance(MiniTrainer, type):
-        raise Incorrect(_("MiniTrainer should be a class, got {value}").format(value=describe(MiniTrainer)))
+    if not observe(lambda: isinstance(MiniTrainer, type)):
+        raise Incorrect(_("MiniTrainer should be a class, got {value}").format(
+            value=observe(lambda: describe(MiniTrainer))))
     model, opt, loss_fn, loader = _problem(seed=1)
     ref_model = copy.deepcopy(model)
     ref_opt = torch.optim.SGD(ref_model.parameters(), lr=0.1, momentum=0.9)
     expected = [_reference_epoch(ref_model, ref_opt, loss_fn, loader) for _ in range(3)]
-    trainer = call(MiniTrainer, model, opt, loss_fn, loader, name="MiniTrainer", check_mutation=False)
-    if not callable(trainer):
+    # model, opt and loader are handed to the answer: only the trainer's results are read, through observe()
+    trainer = hold(lambda: call(MiniTrainer, model, opt, loss_fn, loader, name="MiniTrainer", check_mutation=False))
+    if not observe(lambda: callable(trainer)):
         raise Incorrect(_("a MiniTrainer instance is not callable: likely mistake: the training loop is in a method "
                           "with another name; define `__call__(self, epochs)`"))
-    first = call(trainer, 2, name="trainer")
+    first = observe(lambda: call(trainer, 2, name="trainer"))
     if not isinstance(first, list):
         raise Incorrect(_("trainer(2) should return a list of 2 losses, got {value}: likely mistake: "
                           "returning only the last epoch's loss").format(value=describe(first)))
@@ -205,7 +219,7 @@ def _check_mini_trainer(MiniTrainer):
     if not all(math.isclose(a, b, rel_tol=1e-4, abs_tol=1e-6) for a, b in zip(losses, expected[:2])):
         raise Incorrect(_("trainer(2) returned {got}, expected {expected} (the mean loss of each epoch)").format(
             got=[round(v, 5) for v in losses], expected=[round(v, 5) for v in expected[:2]]))
-    second = call(trainer, 1, name="trainer")
+    second = observe(lambda: call(trainer, 1, name="trainer"))
     if isinstance(second, list) and len(second) == 3 and second[:2] == losses:
         raise Incorrect(_("trainer(1) after trainer(2) returned 3 losses, the whole history: likely mistake: "
                           "__call__ returns self.history; return only this call's losses (and add them to "
@@ -214,7 +228,7 @@ def _check_mini_trainer(MiniTrainer):
         raise Incorrect(_("trainer(1) should return a list with one loss, got {value}").format(value=describe(second)))
     if not math.isclose(_as_loss(second[0], "trainer(1)"), expected[2], rel_tol=1e-4, abs_tol=1e-6):
         raise Incorrect(_("the third epoch's loss is wrong: does a second call continue training the same model?"))
-    history = getattr(trainer, "history", None)
+    history = observe(lambda: getattr(trainer, "history", None))
     if isinstance(history, list) and history and all(isinstance(h, list) for h in history):
         raise Incorrect(_("after trainer(2) and trainer(1), trainer.history is {value}, a list of lists: likely "
                           "mistake: self.history.append(losses) adds the whole list as one item; extend it "
@@ -282,81 +296,116 @@ def _target(f):
     return name if isinstance(name, (str, os.PathLike)) else None
 
 
+def _where(targets: list) -> list:
+    """In the learner's process, where the files are: for each place torch.save wrote, None (an open file without a
+    name) or (its folder as given, its full path with links resolved), as strings."""
+    return [None if t is None else (str(Path(t).parent), str(Path(t).resolve())) for t in targets]
+
+
+def _load(path: Path) -> tuple[bool, Any]:
+    """In the learner's process: (True, torch.load(path, weights_only=True)) or (False, the error's name)."""
+    try:
+        return True, torch.load(path, weights_only=True)
+    except Exception as exc:
+        return False, type(exc).__name__
+
+
+def _scratch_folder() -> str:
+    """A new private folder for the check's files, made where the answer runs. Its name is the same from one check
+    to the next in a process (so is the feedback that names it); a random one where that name is taken."""
+    folder = os.path.join(tempfile.gettempdir(), f"course-check-{os.getpid()}")
+    try:
+        os.mkdir(folder, 0o700)  # as tempfile.mkdtemp makes its folders: only a new one will do
+    except FileExistsError:
+        return tempfile.mkdtemp()
+    return folder
+
+
 def _check_save_atomically(save_atomically):
-    if not callable(save_atomically):
-        raise Incorrect(_("save_atomically should be a function, got {value}").format(value=describe(save_atomically)))
-    real_save = torch.save
-    with tempfile.TemporaryDirectory() as folder:
+    if not observe(lambda: callable(save_atomically)):
+        raise Incorrect(_("save_atomically should be a function, got {value}").format(
+            value=observe(lambda: describe(save_atomically))))
+    real_save = torch.save  # used only where the answer runs (inside observe)
+    # the files live where the answer runs: every look at them is an observation, and so is the clean-up
+    folder = observe(_scratch_folder)
+    try:
         path = Path(folder) / "ckpt.pt"
-        targets = []  # where torch.save wrote
 
-        def recording_save(obj, f, *args, **kwargs):
-            targets.append(_target(f))
-            return real_save(obj, f, *args, **kwargs)
+        def save():
+            targets = []  # where torch.save wrote
 
-        with mock.patch.object(torch, "save", recording_save):
-            call(save_atomically, {"w": torch.arange(3.0)}, path, name="save_atomically", check_mutation=False)
-        if not path.exists():
+            def recording_save(obj, f, *args, **kwargs):
+                targets.append(_target(f))
+                return real_save(obj, f, *args, **kwargs)
+
+            with mock.patch.object(torch, "save", recording_save):
+                call(save_atomically, {"w": torch.arange(3.0)}, path, name="save_atomically", check_mutation=False)
+            return path.exists(), _where(targets), str(path.resolve())
+
+        exists, written, resolved = observe(save)
+        if not exists:
             raise Incorrect(_("nothing was written at `path`"))
-        outside = [t for t in targets if t is not None and Path(t).resolve().parent != path.resolve().parent]
+        outside = [given for given, full in filter(None, written) if Path(full).parent != Path(resolved).parent]
         if outside:
             raise Incorrect(_("the temporary file was written to {where}, outside the folder of `path` ({folder}): "
                               "likely mistake: a temporary file in the system's temporary folder; os.replace is "
                               "atomic only within one file system, and across two it fails (or a move falls back to "
                               "a copy, which is not atomic): write the temporary file next to `path`").format(
-                where=Path(outside[0]).parent, folder=path.parent))
-        try:
-            loaded = torch.load(path, weights_only=True)
-        except Exception as exc:
-            raise Incorrect(_("the file at `path` cannot be loaded with torch.load: {error}").format(
-                error=type(exc).__name__)) from None
+                where=outside[0], folder=path.parent))
+        loaded_ok, loaded = observe(lambda: _load(path))
+        if not loaded_ok:
+            raise Incorrect(_("the file at `path` cannot be loaded with torch.load: {error}").format(error=loaded))
         if not (isinstance(loaded, dict) and torch.equal(loaded.get("w", torch.zeros(0)), torch.arange(3.0))):
             raise Incorrect(_("torch.load(path) gave {value}, not the object that was saved").format(
                 value=describe(loaded)))
-        if sorted(os.listdir(folder)) != ["ckpt.pt"]:
+        files = observe(lambda: sorted(os.listdir(folder)))
+        if files != ["ckpt.pt"]:
             raise Incorrect(_("the folder holds {files} after a successful save: likely "
                               "mistake: the temporary file is copied instead of renamed (os.replace)").format(
-                                  files=sorted(os.listdir(folder))))
+                                  files=files))
 
-        crashed_into = []
+        def crash():
+            crashed_into = []
 
-        def crashing_save(obj, f, *args, **kwargs):  # the disk fills up half-way through the write
-            crashed_into.append(_target(f))
-            if hasattr(f, "write"):
-                f.write(b"PK\x03\x04 half a checkpoint")
-            else:
-                Path(f).write_bytes(b"PK\x03\x04 half a checkpoint")
-            raise _Crash(_("disk full"))
+            def crashing_save(obj, f, *args, **kwargs):  # the disk fills up half-way through the write
+                crashed_into.append(_target(f))
+                if hasattr(f, "write"):
+                    f.write(b"PK\x03\x04 half a checkpoint")
+                else:
+                    Path(f).write_bytes(b"PK\x03\x04 half a checkpoint")
+                raise _Crash(_("disk full"))
 
-        raised = False
-        with mock.patch.object(torch, "save", crashing_save):
-            try:
-                save_atomically({"w": torch.ones(3)}, path)
-            except _Crash:
-                raised = True
-            except (AnswerTimeout, KeyboardInterrupt):
-                raise
-            except NotImplementedError:
-                raise NotAttempted() from None
-            except Exception as exc:
-                raise Incorrect(_("when the write fails, save_atomically raised {error}: {message}; let "
-                                  "the original error through").format(error=type(exc).__name__,
-                                                                       message=exc)) from None
-        try:
-            after = torch.load(path, weights_only=True)
-        except Exception:
-            wrote_path = any(t is not None and Path(t).resolve() == path.resolve() for t in crashed_into)
+            raised = False
+            with mock.patch.object(torch, "save", crashing_save):
+                try:
+                    save_atomically({"w": torch.ones(3)}, path)
+                except _Crash:
+                    raised = True
+                except (AnswerTimeout, KeyboardInterrupt):
+                    raise
+                except NotImplementedError:
+                    raise NotAttempted() from None
+                except Exception as exc:
+                    raise Incorrect(_("when the write fails, save_atomically raised {error}: {message}; let "
+                                      "the original error through").format(error=type(exc).__name__,
+                                                                           message=exc)) from None
+            return raised, _where(crashed_into), str(path.resolve())
+
+        raised, crashed_into, resolved = observe(crash)
+        after_ok, after = observe(lambda: _load(path))
+        if not after_ok:
+            wrote_path = any(t is not None and t[1] == resolved for t in crashed_into)
             if crashed_into and all(t is not None for t in crashed_into) and not wrote_path:
                 raise Incorrect(_("a write that failed half-way destroyed the previous checkpoint: torch.save wrote "
                                   "to a temporary file, but that half-written file was then moved onto `path`: "
                                   "likely mistake: os.replace runs even when torch.save failed (in a finally); "
-                                  "replace only after torch.save has returned")) from None
+                                  "replace only after torch.save has returned"))
             raise Incorrect(_("a write that failed half-way destroyed the previous checkpoint: likely mistake: "
                               "writing straight to `path`; write a temporary file in the same folder, then "
-                              "os.replace it onto `path`")) from None
+                              "os.replace it onto `path`"))
         if not torch.equal(after["w"], torch.arange(3.0)):
             raise Incorrect(_("after a failed write the checkpoint holds something else than the previous save"))
-        left = sorted(set(os.listdir(folder)) - {"ckpt.pt"})
+        left = sorted(set(observe(lambda: os.listdir(folder))) - {"ckpt.pt"})
         if left:
             raise Incorrect(_("a failed write left {files} behind: likely mistake: the temporary file is not "
                               "removed when saving fails (try/except, then os.remove)").format(files=left))
@@ -364,7 +413,9 @@ def _check_save_atomically(save_atomically):
             raise Incorrect(_("when torch.save failed (a full disk), save_atomically returned as if the checkpoint "
                               "had been saved: likely mistake: the error was caught and not raised again, so the "
                               "caller goes on without a checkpoint; clean up, then `raise`"))
-    assert torch.save is real_save
+    finally:
+        observe(lambda: shutil.rmtree(folder, ignore_errors=True))
+    assert observe(lambda: torch.save is real_save)
     return _("a crash mid-write leaves the previous checkpoint intact and no litter behind")
 
 
@@ -386,6 +437,7 @@ register(Exercise(
     solution=_SAVE_SOLUTION,
     setup="import os\nimport shutil\nfrom pathlib import Path\n\nimport torch\n",
     checker=_check_save_atomically,
+    inside=N_("the files in the checkpoint's folder, and where torch.save wrote, seen while the answer ran"),
     hints=[N_("Write to a temporary file next to `path` (same folder, so the rename stays on one disk)."),
            N_("`os.replace(tmp, path)` swaps the new file in atomically; if saving fails, delete the temporary file "
               "and re-raise.")],
@@ -444,37 +496,46 @@ def _check_project(answer):
     from ..data import synthetic_cifar
     from ..memory import SimulatedGPU, format_bytes
 
-    if isinstance(answer, tuple) and len(answer) == 2:
+    size = observe(lambda: len(answer) if isinstance(answer, tuple) else None)
+    if size == 2:
         raise Incorrect(_("expected (model, optimizer, batch_size, gpu), got a pair: the checker needs your optimizer "
                           "and batch size too, to measure a step with the optimizer's state in place itself"))
-    if not (isinstance(answer, tuple) and len(answer) == 4):
+    if size != 4:
         raise Incorrect(_("expected the tuple (model, optimizer, batch_size, gpu), got {value}").format(
-            value=describe(answer)))
-    model, optimizer, batch_size, gpu = answer
-    if not isinstance(model, nn.Module):
-        raise Incorrect(_("the first item should be your trained nn.Module, got {value}").format(value=describe(model)))
-    if not isinstance(optimizer, torch.optim.Optimizer):
+            value=observe(lambda: describe(answer))))
+    model, optimizer, gpu = hold(lambda: answer[0]), hold(lambda: answer[1]), hold(lambda: answer[3])
+    if not observe(lambda: isinstance(model, nn.Module)):
+        raise Incorrect(_("the first item should be your trained nn.Module, got {value}").format(
+            value=observe(lambda: describe(model))))
+    if not observe(lambda: isinstance(optimizer, torch.optim.Optimizer)):
         raise Incorrect(_("the second item should be the optimizer that trained the model, got {value}").format(
-            value=describe(optimizer)))
+            value=observe(lambda: describe(optimizer))))
+    batch_size = observe(lambda: answer[2])  # plain data: an int stays an int
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise Incorrect(_("the third item should be the batch size you trained with (an int), got {value}").format(
             value=describe(batch_size)))
-    if not isinstance(gpu, SimulatedGPU):
+    if not observe(lambda: isinstance(gpu, SimulatedGPU)):
         raise Incorrect(_("the fourth item should be the SimulatedGPU you measured the training steps in, got "
-                          "{value}").format(value=describe(gpu)))
-    model_params = {id(p) for p in model.parameters()}
-    opt_params = {id(p) for group in optimizer.param_groups for p in group["params"]}
-    if not model_params or not opt_params <= model_params:
+                          "{value}").format(value=observe(lambda: describe(gpu))))
+
+    def holds_model_params():
+        model_params = {id(p) for p in model.parameters()}
+        opt_params = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        return bool(model_params) and opt_params <= model_params
+
+    if not observe(holds_model_params):
         raise Incorrect(_("the optimizer does not hold this model's parameters: likely mistake: it was built for "
                           "another instance (a second CifarCNN()); build the optimizer from model.parameters()"))
-    if gpu.budget > PROJECT_BUDGET:
+    budget = observe(lambda: gpu.budget)
+    if budget > PROJECT_BUDGET:
         raise Incorrect(_("your SimulatedGPU has a budget of {budget}; the project allows "
                           "{allowed}: likely mistake: a bigger budget than allowed").format(
-                              budget=format_bytes(gpu.budget), allowed=format_bytes(PROJECT_BUDGET)))
-    peak = gpu.max_memory_allocated()
+                              budget=format_bytes(budget), allowed=format_bytes(PROJECT_BUDGET)))
+    peak = observe(lambda: gpu.max_memory_allocated())
     if peak == 0:
         raise Incorrect(_("the SimulatedGPU recorded no memory use: run your training steps inside `with gpu:`"))
-    first, steady = _steady_state_peak(model, optimizer, batch_size)
+    # the answer's model lives where the answer ran: its steps are measured there
+    first, steady = observe(lambda: _steady_state_peak(model, optimizer, batch_size))
     if first > PROJECT_BUDGET:  # not a matter of which step was measured: no step fits at this batch size
         raise Incorrect(_("at batch {batch_size}, even the first step needs {first}, more than the {budget} budget "
                           "(a step with the optimizer's state in place needs {steady}): likely mistake: the batch "
@@ -496,16 +557,21 @@ def _check_project(answer):
                           "one you trained with). Measure at least two steps inside the SimulatedGPU").format(
                               peak=format_bytes(peak), batch_size=batch_size, steady=format_bytes(steady)))
     test = synthetic_cifar(2000, seed=123)
-    device = next(model.parameters()).device
-    was_training = model.training
-    model.eval()
-    with torch.no_grad():
-        try:
-            logits = model(test.images.to(device))
-        except Exception as exc:
-            raise Incorrect(_("running your model on 3x32x32 images raised {error}: {message}").format(
-                error=type(exc).__name__, message=exc)) from None
-    model.train(was_training)
+
+    def predict():  # the learner's model, on held-out images, where it lives
+        device = next(model.parameters()).device
+        was_training = model.training
+        model.eval()
+        with torch.no_grad():
+            try:
+                logits = model(test.images.to(device))
+            except Exception as exc:
+                raise Incorrect(_("running your model on 3x32x32 images raised {error}: {message}").format(
+                    error=type(exc).__name__, message=exc)) from None
+        model.train(was_training)
+        return logits
+
+    logits = observe(predict)
     if not isinstance(logits, torch.Tensor) or logits.shape != (2000, 10):
         raise Incorrect(_("the model should output 10 logits per image, got {value}").format(value=describe(logits)))
     accuracy = (logits.argmax(1).cpu() == test.labels).float().mean().item()
@@ -516,7 +582,7 @@ def _check_project(answer):
     return _("held-out accuracy {accuracy:.1%}; a steady-state step at batch {batch_size} needs "
              "{steady} (the first {first}) of the {budget} budget").format(
                  accuracy=accuracy, batch_size=batch_size, steady=format_bytes(steady), first=format_bytes(first),
-                 budget=format_bytes(gpu.budget))
+                 budget=format_bytes(budget))
 
 
 _PROJECT_SETUP = ("import torch\nfrom torch import nn\n\nfrom course_utils import Trainer\n"
@@ -558,6 +624,7 @@ register(Exercise(
         "project = (model, optimizer, batch_size, gpu)"),
     setup=_PROJECT_SETUP,
     checker=_check_project,
+    inside=N_("the memory simulated GPUs counted in the answer's training and in steps of its model"),
     timeout=60,
     hints=[N_("Train `CifarCNN` with Adam, and run two training steps inside `with SimulatedGPU(\"24MiB\", "
               "model=model, optimizer=optimizer) as gpu:`. The first step creates Adam's state, so the second is the "

@@ -25,6 +25,7 @@ from torch import nn
 from .. import failures
 from ..i18n import N_, _
 from .core import Exercise, Incorrect, Mistake, call, describe, register
+from .probe import fresh_random, observe
 
 # --- 08.2 shard a dataset by rank --------------------------------------------------------------------
 
@@ -65,15 +66,24 @@ _SHARD_CASES = [(100, 8), (10, 4), (8, 2), (7, 3), (3, 4), (1, 2), (9, 2), (2, 5
 
 
 def _check_shard_indices(shard_indices):
-    if not callable(shard_indices):
-        raise Incorrect(_("shard_indices should be a function, got {value}").format(value=describe(shard_indices)))
+    if not observe(lambda: callable(shard_indices)):
+        raise Incorrect(_("shard_indices should be a function, got {value}").format(
+            value=observe(lambda: describe(shard_indices))))
+    # Unseeded draws from torch's generator (a mistake) start from the same state at every check, so the same
+    # answer gets the same feedback; the generator is put back as it was afterwards.
+    with torch.random.fork_rng(devices=[]):
+        torch.default_generator.manual_seed(0)
+        return _check_shards(shard_indices)
+
+
+def _check_shards(shard_indices):
     like_sampler = True
     for n, world in _SHARD_CASES:
         shards = []
         for rank in range(world):
             label = f"shard_indices({n}, {rank}, {world})"
-            first = _as_index_list(call(shard_indices, n, rank, world, name="shard_indices"), label)
-            again = _as_index_list(call(shard_indices, n, rank, world, name="shard_indices"), label)
+            first = observe(lambda: _as_index_list(call(shard_indices, n, rank, world, name="shard_indices"), label))
+            again = observe(lambda: _as_index_list(call(shard_indices, n, rank, world, name="shard_indices"), label))
             if first != again:
                 raise Incorrect(_("{label} returned {first}... then {again}...: the result differs between "
                                   "two calls. Every rank must compute its share on its own and agree with the others "
@@ -209,9 +219,20 @@ def _lr_with(target: float, step: int, base_lr: float, warmup: int) -> float:
     return base_lr + (target - base_lr) * step / warmup if step < warmup else target
 
 
+def _as_rate(got) -> int | float | str:
+    """scaled_lr's answer as an int or a float (a one-element tensor gives its item), or else what it is, described
+    for feedback (a str)."""
+    if isinstance(got, torch.Tensor) and got.numel() == 1:
+        got = got.item()
+    if isinstance(got, bool) or not isinstance(got, (int, float)):
+        return describe(got)
+    return float(got) if isinstance(got, float) else int(got)
+
+
 def _check_scaled_lr(scaled_lr):
-    if not callable(scaled_lr):
-        raise Incorrect(_("scaled_lr should be a function, got {value}").format(value=describe(scaled_lr)))
+    if not observe(lambda: callable(scaled_lr)):
+        raise Incorrect(_("scaled_lr should be a function, got {value}").format(
+            value=observe(lambda: describe(scaled_lr))))
     for base_lr, base_batch, world, batch, acc, warmup in _LR_CASES:
         config = _("base_lr={base_lr:g} for batch {base_batch}, {world} processes x batch {batch} x accumulate "
                    "{acc}, warmup_steps={warmup}").format(base_lr=base_lr, base_batch=base_batch, world=world,
@@ -234,12 +255,11 @@ def _check_scaled_lr(scaled_lr):
                "base_lr x global batch / base batch")),
         ]
         for step in sorted({0, 1, warmup // 2, max(warmup - 1, 0), warmup, warmup + 7}):
-            got = call(scaled_lr, step, base_lr, base_batch, world, batch, acc, warmup, name="scaled_lr")
-            if isinstance(got, torch.Tensor) and got.numel() == 1:
-                got = got.item()
-            if isinstance(got, bool) or not isinstance(got, (int, float)):
+            got = observe(lambda: _as_rate(call(scaled_lr, step, base_lr, base_batch, world, batch, acc, warmup,
+                                                name="scaled_lr")))
+            if isinstance(got, str):
                 raise Incorrect(_("scaled_lr returned {value}; return the learning rate as a float").format(
-                    value=describe(got)))
+                    value=got))
             want = reference_lr(step, base_lr, base_batch, world, batch, acc, warmup)
             if math.isclose(got, want, rel_tol=1e-9, abs_tol=1e-15):
                 continue
@@ -335,15 +355,26 @@ _WHY = {
 }
 
 
-def _check_diverging(answer):
+def _answer_seen(answer) -> tuple:
+    """The answer to 08.4 as plain data: ("string", its text), ("items", [each item, a str as its text]) for a set,
+    frozenset, list or tuple, or ("other", its description)."""
     if isinstance(answer, str):
-        raise Incorrect(_("expected a set of letters such as {example}, got the string {answer!r}").format(
-            example='{"A", "B"}', answer=answer))
+        return "string", str.__str__(answer)
     if not isinstance(answer, (set, frozenset, list, tuple)):
+        return "other", describe(answer)
+    return "items", [str.__str__(item) if isinstance(item, str) else item for item in answer]
+
+
+def _check_diverging(answer):
+    kind, seen = observe(lambda: _answer_seen(answer))
+    if kind == "string":
+        raise Incorrect(_("expected a set of letters such as {example}, got the string {answer!r}").format(
+            example='{"A", "B"}', answer=seen))
+    if kind != "items":
         raise Incorrect(_("expected a set of letters such as {example}, got {value}").format(
-            example='{"A", "B"}', value=describe(answer)))
+            example='{"A", "B"}', value=seen))
     letters = set()
-    for item in answer:
+    for item in seen:
         if not isinstance(item, str) or item.strip().upper() not in _WHY:
             raise Incorrect(_("{item!r} is not one of the snippets A to G").format(item=item))
         letters.add(item.strip().upper())
@@ -469,12 +500,12 @@ def _close(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
 
 
 def _check_accumulate_step(accumulate_step):
-    if not callable(accumulate_step):
+    if not observe(lambda: callable(accumulate_step)):
         raise Incorrect(_("accumulate_step should be a function, got {value}").format(
-            value=describe(accumulate_step)))
+            value=observe(lambda: describe(accumulate_step))))
     micro = _micro_batches()
     oracles = _oracles(micro)
-    weights, steps, allreduces = _run_accumulate_step(accumulate_step, micro)
+    weights, steps, allreduces = observe(lambda: _run_accumulate_step(accumulate_step, micro))
     k = len(micro)
     if len(steps) != 1:
         raise Incorrect(_("optimizer.step() ran {count} times for {k} micro-batches: likely mistake: {why}").format(
@@ -495,7 +526,8 @@ def _check_accumulate_step(accumulate_step):
     if _close(weights, oracles["full"]):
         # the check runs on one process; told there are two ranks, the answer must make the same update (DDP
         # averages: nothing in the step depends on the number of ranks)
-        weights, _steps, _allreduces = _run_accumulate_step(accumulate_step, micro, told_world_size=2)
+        weights, _steps, _allreduces = observe(lambda: _run_accumulate_step(accumulate_step, micro,
+                                                                             told_world_size=2))
         if _close(weights, oracles["halved"]):
             raise Incorrect(_("this check runs on one process; when torch.distributed.get_world_size() told your "
                               "step there were 2 ranks, its update came out half as large: likely mistake: the "
@@ -589,6 +621,7 @@ register(Exercise(
     setup="import torch\n",
     checker=_check_accumulate_step,
     timeout=20,
+    inside=N_("optimizer steps and gradient all-reduces counted while the answer ran"),
     hints=[N_("One optimizer step for the whole list: zero_grad first, a backward per micro-batch, step at the "
               "end."),
            N_("`with ddp_model.no_sync():` around the forward and backward of every micro-batch except the last; the "
@@ -650,8 +683,7 @@ _INTERVAL_TOLERANCE = 1.02  # at most 2 % more time lost than the best whole num
 
 def _random_interval_case() -> tuple[float, float, float]:
     """A job drawn afresh at every check (not from the checker's own generator): no table of answers passes."""
-    import random
-    rng = random.Random()
+    rng = fresh_random()
     return (round(rng.uniform(0.05, 4.0), 3), round(rng.uniform(1.0, 90.0), 2), round(rng.uniform(1.0, 48.0) * 3600))
 
 
@@ -681,8 +713,9 @@ def _wrong_interval(k: int, step_s: float, save_s: float, mtbf_s: float) -> str:
              "step_s for steps")
 
 
-def _whole_steps(value, label: str) -> int:
-    """The answer as an int, or feedback: a Python or NumPy int, or a 0-d integer tensor or array."""
+def _whole_steps(value) -> int | str:
+    """The answer as an int (from a Python or NumPy int, or a 0-d integer tensor or array), or else what it is,
+    described for feedback (a str)."""
     if isinstance(value, (torch.Tensor, np.ndarray)) and value.ndim == 0 and (
             value.dtype in (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
             if isinstance(value, torch.Tensor) else np.issubdtype(value.dtype, np.integer)):
@@ -692,18 +725,29 @@ def _whole_steps(value, label: str) -> int:
             pass
     elif not isinstance(value, bool) and isinstance(value, numbers.Integral):
         return int(value)
-    raise Incorrect(_("{label} returned {value}: return a whole number of steps, an int (round() gives "
-                      "one)").format(label=label, value=describe(value)))
+    return describe(value)
+
+
+def _require_whole(seen: int | str, label: str) -> int:
+    """What `_whole_steps` saw, an int; or feedback."""
+    if isinstance(seen, str):
+        raise Incorrect(_("{label} returned {value}: return a whole number of steps, an int (round() gives "
+                          "one)").format(label=label, value=seen))
+    return seen
 
 
 def _check_steps_between_checkpoints(fn):
-    if not callable(fn):
-        raise Incorrect(_("steps_between_checkpoints should be a function, got {value}").format(value=describe(fn)))
+    if not observe(lambda: callable(fn)):
+        raise Incorrect(_("steps_between_checkpoints should be a function, got {value}").format(
+            value=observe(lambda: describe(fn))))
     answers = []
+    # the job no table holds is drawn where the answer runs; the judgement reads the same one from the record
     for step_s, save_s, mtbf_s in [*_INTERVAL_CASES, _random_interval_case()]:
         label = f"steps_between_checkpoints({step_s}, {save_s}, {mtbf_s})"
-        k = _whole_steps(call(fn, step_s, save_s, mtbf_s, name="steps_between_checkpoints"), label)
-        again = _whole_steps(call(fn, step_s, save_s, mtbf_s, name="steps_between_checkpoints"), label)
+        k = _require_whole(observe(lambda: _whole_steps(call(fn, step_s, save_s, mtbf_s,
+                                                             name="steps_between_checkpoints"))), label)
+        again = _require_whole(observe(lambda: _whole_steps(call(fn, step_s, save_s, mtbf_s,
+                                                                 name="steps_between_checkpoints"))), label)
         if again != k:
             raise Incorrect(_("{label} returned {k}, then {again}: the same job should get the same interval every "
                               "time").format(label=label, k=k, again=again))

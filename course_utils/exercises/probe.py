@@ -23,7 +23,9 @@ import contextvars
 import io
 import numbers
 import os
+import random
 import re
+import secrets
 import sys
 import sysconfig
 import traceback
@@ -204,7 +206,7 @@ def decode(data: bytes) -> list:
     try:
         with warnings.catch_warnings():  # torch's remarks on a pickle it was not written by: the learner's choice
             warnings.simplefilter("ignore")
-            log = torch.load(io.BytesIO(data), weights_only=True)
+            log = torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")  # any grader reads it
     except Exception as exc:
         raise Interfered(_("the record does not decode ({error})").format(error=type(exc).__name__)) from None
     if type(log) is not list or not all(type(e) is tuple and e and type(e[0]) is str for e in log):
@@ -213,17 +215,18 @@ def decode(data: bytes) -> list:
 
 
 class _Session:
-    def __init__(self, mode: str, log: list | None = None):
-        self.mode, self.log, self.position = mode, [] if log is None else log, 0
+    def __init__(self, mode: str, log: list | None = None, seed: int | None = None):
+        self.mode, self.log, self.position, self.seed = mode, [] if log is None else log, 0, seed
 
 
 _session: contextvars.ContextVar[_Session | None] = contextvars.ContextVar("course_probe_session", default=None)
 
 
 @contextmanager
-def recording():
-    """Observations in this block are written to a log (the learner's kernel, under the grader): yields the log."""
-    token = _session.set(_Session("record"))
+def recording(seed: int | None = None):
+    """Observations in this block are written to a log (the learner's kernel, under the grader): yields the log.
+    `seed` is the grader's, for the cases drawn afresh at each check (`fresh_random`)."""
+    token = _session.set(_Session("record", seed=seed))
     try:
         yield _session.get().log
     finally:
@@ -231,18 +234,24 @@ def recording():
 
 
 @contextmanager
-def replaying(log: list):
-    """Observations in this block are read back from `log` (the grader's own process): yields the session."""
-    token = _session.set(_Session("replay", log))
+def replaying(log: list, seed: int | None = None):
+    """Observations in this block are read back from `log` (the grader's own process): yields the session.
+    `seed`: the one the grader gave the recording (never taken from the record)."""
+    token = _session.set(_Session("replay", log, seed))
     try:
         yield _session.get()
     finally:
         _session.reset(token)
 
 
-def replaying_now() -> bool:
+def fresh_random() -> random.Random:
+    """A generator for cases drawn afresh at each check, so that no table of answers can hold them: seeded from the
+    operating system in a notebook, and from the grader's seed for this check under the grader (the same in the
+    learner's kernel and in the judgement, and known to neither beforehand). Draw from it outside observe()."""
     session = _session.get()
-    return session is not None and session.mode == "replay"
+    if session is None or session.seed is None:
+        return random.Random(secrets.randbits(64))
+    return random.Random(session.seed)
 
 
 def _error_entry(label: str, exc: Exception) -> tuple:
@@ -383,5 +392,5 @@ def leftover(session: _Session) -> int:
 
 
 __all__ = ["observe", "hold", "plain", "describe", "short", "Opaque", "ABSENT", "encode", "decode", "recording",
-           "replaying", "Incorrect", "NotAttempted", "AnswerTimeout", "Interfered", "OutOfReach", "finish",
+           "replaying", "fresh_random", "Incorrect", "NotAttempted", "AnswerTimeout", "Interfered", "OutOfReach", "finish",
            "leftover", "raised_in_course_code"]
