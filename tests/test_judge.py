@@ -192,3 +192,30 @@ def test_a_checker_that_touches_the_answer_outside_observe_is_a_crash_not_a_verd
         assert judged.crashed and judged.status != CORRECT
     finally:
         del REGISTRY["99.4"]
+
+
+def test_a_record_that_would_keep_the_grader_busy_is_refused():
+    """An expanded view (one stored number standing for 10^12), a sparse tensor, nesting without end: not what
+    `plain` writes, refused before any checker reads them."""
+    solved = _solved()
+    first = next(i for i, e in enumerate(solved) if e[0] == "value")
+    label = solved[first][1]
+    deep = []
+    for _ in range(40):  # deeper than plain() ever writes
+        deep = [deep]
+    for value in (torch.zeros(1).expand(10 ** 6, 10 ** 6), torch.eye(3).to_sparse(), deep,
+                  [torch.zeros(10 ** 7)] * 6):
+        log = solved[:first] + [("value", label, value, None)] + solved[first + 1:]
+        assert judge("01.1", probe.encode(log)).status == INTERFERED
+
+
+def test_instructors_md_lists_exactly_the_verdicts_that_rest_on_measurements_in_the_learner_s_process():
+    from pathlib import Path
+    import re
+
+    text = (Path(__file__).resolve().parents[1] / "INSTRUCTORS.md").read_text()
+    listed = set(re.findall(r"^\* (\d\d\.\d+) \(", text, re.M))
+    assert listed == {k for k, e in REGISTRY.items() if e.inside}
+    for k, e in REGISTRY.items():
+        if e.inside:
+            assert f"* {k} ({e.title}): {e.inside}" in text, k

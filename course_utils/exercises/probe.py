@@ -187,20 +187,35 @@ def encode(log: list) -> bytes:
     return buffer.getvalue()
 
 
+_MAX_ELEMENTS = 50_000_000  # tensor elements in one record: far above any checker's cases, below a grader's memory
+
+
 def decode(data: bytes) -> list:
-    """A log from `encode`, read with weights_only=True (nothing but plain data can come out); Interfered if not."""
+    """A log from `encode`, read with weights_only=True (nothing but plain data can come out); Interfered if not.
+    Also refused: nesting deeper than `plain` writes, and tensors that are not what `plain` writes (a dense strided
+    copy whose storage holds all its elements): an expanded view of one number could stand for 10^12 of them and
+    keep the grader busy for hours."""
     import torch
 
-    def back(v):
+    budget = [_MAX_ELEMENTS]
+
+    def back(v, depth=0):
+        if depth > 25:
+            raise Interfered(_("a malformed value"))
         if type(v) is dict:
             if list(v) == [_OPAQUE_KEY]:
                 parts = v[_OPAQUE_KEY]
                 if type(parts) is list and len(parts) == 3 and all(type(p) is str for p in parts):
                     return Opaque(*parts)
                 raise Interfered(_("a malformed value"))
-            return {back(k): back(x) for k, x in v.items()}
+            return {back(k, depth + 1): back(x, depth + 1) for k, x in v.items()}
         if type(v) in (list, tuple, set):
-            return type(v)(back(x) for x in v)
+            return type(v)(back(x, depth + 1) for x in v)
+        if isinstance(v, torch.Tensor):
+            budget[0] -= v.numel()
+            if (type(v) is not torch.Tensor or v.layout != torch.strided or budget[0] < 0
+                    or v.untyped_storage().nbytes() < v.numel() * v.element_size()):
+                raise Interfered(_("a malformed value"))
         return v
 
     try:
@@ -211,7 +226,12 @@ def decode(data: bytes) -> list:
         raise Interfered(_("the record does not decode ({error})").format(error=type(exc).__name__)) from None
     if type(log) is not list or not all(type(e) is tuple and e and type(e[0]) is str for e in log):
         raise Interfered(_("the record is not a list of entries"))
-    return [back(e) for e in log]
+    try:
+        return [back(e) for e in log]
+    except Interfered:
+        raise
+    except Exception as exc:  # RecursionError, a key that cannot be hashed, ...
+        raise Interfered(_("the record does not decode ({error})").format(error=type(exc).__name__)) from None
 
 
 class _Session:
