@@ -206,3 +206,13 @@ def test_exercises_are_numbered_in_the_order_they_appear(edition):
         order = [int(k) for _n, k in checked]
         assert order == list(range(1, len(order) + 1)), (path.name, order)
         assert {f"{number}.{k}" for k in order} == {i for i in registry if i.startswith(number + ".")}, path.name
+
+
+@pytest.mark.parametrize("ex_id", IDS)
+def test_numbers_at_the_edge_of_float_get_feedback_not_a_crash(ex_id):
+    """An answer that returns an int beyond float's range, NaN or -0.0 (an outside attack found the first one
+    crashing a checker): feedback, from the checker itself, and the same judged from the record."""
+    for value in (10 ** 400, float("nan"), -0.0):
+        kernel, data = recorded(ex_id, lambda *args, _v=value, **kwargs: _v, timeout=3, seed=SEED)
+        assert not kernel.crashed, (ex_id, value, kernel.message)
+        assert judge(ex_id, data, seed=SEED).status == kernel.status

@@ -214,6 +214,10 @@ def test_an_endless_loop_hits_the_time_limit_and_the_rest_is_not_run(graded):
     status, feedback, _, notebook = _status(graded, "infinite_loop", "01.4")
     assert status == "not run" and "time limit of 10 s" in feedback
     assert notebook.startswith("time limit")
+    # out of time beside another notebook (--jobs 2): graded again alone, so that a classmate who keeps the CPUs
+    # busy cannot make it run out of time
+    assert "ran out of time beside other notebooks (--jobs 2): graded again alone" in _runs_cell(graded,
+                                                                                                "infinite_loop")
 
 
 def test_a_memory_bomb_gets_a_memory_error_and_the_notebook_goes_on(graded):

@@ -219,3 +219,68 @@ def test_instructors_md_lists_exactly_the_verdicts_that_rest_on_measurements_in_
     for k, e in REGISTRY.items():
         if e.inside:
             assert f"* {k} ({e.title}): {e.inside}" in text, k
+
+
+# --- from an outside attack on the grader -------------------------------------------------------------------------
+
+def _with_first_value(value, ex_id="01.1"):
+    solved = _solved(ex_id)
+    first = next(i for i, e in enumerate(solved) if e[0] == "value")
+    return solved[:first] + [("value", solved[first][1], value, None)] + solved[first + 1:]
+
+
+def test_values_plain_never_writes_are_refused():
+    """A tensor carrying attributes (`t.float = torch.Tensor` makes `out.float()` an empty tensor, which allclose
+    takes for any loss), a storage far larger than its tensor (a zip bomb's payload), an OrderedDict or Counter
+    (whose methods attributes could replace), a class object: not plain data."""
+    import collections
+
+    shadowed = torch.tensor(4870.2)
+    shadowed.float = torch.Tensor
+    oversized = torch.zeros(10 ** 6)[:1]
+    for value in (shadowed, oversized, collections.OrderedDict(a=1), collections.Counter(a=1), torch.Tensor):
+        assert judge("01.1", probe.encode(_with_first_value(value))).status == INTERFERED, value
+
+
+def test_a_record_cannot_claim_that_the_course_s_checker_crashed():
+    """An error entry chosen by the kernel, saying it came from course code: the answer's error, not a crash."""
+    wrong = _wrong()
+    first = next(i for i, e in enumerate(wrong) if e[0] == "value")
+    forged = wrong[:first] + [("error", wrong[first][1], "builtins", "ValueError", "internal error", 1, True),
+                              ("end", "done")]
+    result = judge("01.1", probe.encode(forged))
+    assert result.status in (INCORRECT, INTERFERED) and not result.crashed, result
+
+
+def test_a_replayed_exception_class_is_looked_up_without_importing_anything():
+    import sys
+
+    before = set(sys.modules)
+    wrong = _wrong()
+    first = next(i for i, e in enumerate(wrong) if e[0] == "value")
+    forged = wrong[:first] + [("error", wrong[first][1], "torch", "_dynamo.exc.Unsupported", "x", 1, False),
+                              ("end", "done")]
+    assert judge("01.1", probe.encode(forged)).status in (INCORRECT, INTERFERED)
+    assert set(sys.modules) - before == set()
+
+
+def test_a_record_that_crashes_or_hangs_its_reader_costs_the_grader_one_judging_process():
+    """The grader judges in a worker process under a time limit: a record that overflows the C stack (a tuple a
+    million deep) or hashes for hours (shared tuples) gives JudgeFailed quickly, and the next record is judged by a
+    fresh worker."""
+    import time
+
+    from course_tools.grader.judging import Judge, JudgeFailed
+    import hostile_records
+
+    judge_ = Judge(memory=6 * 2 ** 30)
+    try:
+        for data in (hostile_records.deep(), hostile_records.shared()):
+            start = time.monotonic()
+            with pytest.raises(JudgeFailed):
+                judge_("01.1", data, 1, 8)
+            assert time.monotonic() - start < 30
+        solved = record("01.1", _answer("01.1", REGISTRY["01.1"].solution), seed=1)
+        assert judge_("01.1", solved, 1, 30)["status"] == CORRECT
+    finally:
+        judge_.close()

@@ -34,8 +34,9 @@ import course_utils.exercises as exercises
 from ..solve import exercise_cells
 from . import kernel
 from .limits import GradeError, Limits, format_size
+from .judging import Judge, JudgeFailed
 from .report import ClassReport
-from .results import INCORRECT, INTERFERED, NOT_ATTEMPTED, NOT_RUN, NotebookRun, Outcome
+from .results import CORRECT, INCORRECT, INTERFERED, NOT_ATTEMPTED, NOT_RUN, NotebookRun, Outcome
 from .sandbox import Sandbox
 from .submissions import Unreadable, find_submissions, notebook_name, read_notebook
 
@@ -48,7 +49,6 @@ NEEDED = sorted({os.path.realpath(p) for p in (sys.prefix, sys.base_prefix, os.p
                                                *os.environ.get("PYTHONPATH", "").split(os.pathsep)) if p})
 # Where the root grader's kernels get a uid of their own (random in [2e9, 3e9), used by no account).
 _KERNEL_UIDS = 2_000_000_000
-_JUDGING = threading.Lock()  # judge() runs one at a time: checkers use torch's global random state
 
 
 class _SetupFailed(Exception):
@@ -138,12 +138,7 @@ def _kernel_env(work: str, limits: Limits) -> dict:
 
 def _message_size(msg: dict) -> int:
     """Roughly the bytes a kernel message carries (text, rich data, widget state, binary buffers, tracebacks)."""
-    content = msg.get("content", {})
-    try:
-        size = len(str(content.get("text", ""))) + sum(len(str(v)) for v in (content.get("data") or {}).values())
-        size += sum(len(str(line)) for line in content.get("traceback", []) or []) + len(str(content.get("evalue", "")))
-    except (TypeError, AttributeError):  # a malformed message (_malformed): its whole text
-        size = len(str(content))
+    size = len(str(msg.get("content", ""))) + len(str(msg.get("metadata", "")))  # all of it, whatever its shape
     return size + sum(len(b) for b in msg.get("buffers", []) or [] if hasattr(b, "__len__"))
 
 
@@ -201,9 +196,10 @@ class _Grading:
     """Grade one notebook. Call run(); the result is self.result (a NotebookRun)."""
 
     def __init__(self, learner: str, path, name: str, registry: dict, limits: Limits, sandbox: Sandbox,
-                 hide: list[str] = ()):
+                 hide: list[str] = (), judge: Judge | None = None):
         self.result = NotebookRun(learner, path, name)
         self.registry, self.limits, self.sandbox, self.hide = registry, limits, sandbox, list(hide)
+        self.judge = judge or Judge(limits.memory)
 
     # --- the notebook, with the grader's cells added -----------------------------------------------------------
 
@@ -305,7 +301,7 @@ class _Grading:
 
         class Client(NotebookClient):
             def process_message(self, msg, cell, cell_index):
-                usable = grading._account(msg)
+                usable = grading._usable(msg)
                 if grading.over_cap:
                     if usable and msg["msg_type"] == "status" and msg["content"]["execution_state"] == "idle":
                         return super().process_message(msg, cell, cell_index)
@@ -362,6 +358,7 @@ class _Grading:
             os.makedirs(os.path.join(self.work, "tmp"), exist_ok=True)
             with client.setup_kernel(cwd=self.work, env=_kernel_env(self.work, limits)):
                 self.process = getattr(km.provisioner, "process", None)
+                self._count_every_message(client.kc)
                 self._read_sandbox_status()
                 try:
                     # Every cell after the setup counts against the time limit, the grader's checks included.
@@ -422,14 +419,30 @@ class _Grading:
                 [f"printed the reference solution of {ex_id} (solution())"] if ex_id in self.printed_solutions
                 else []) + tamper))
 
-    def _account(self, msg: dict) -> bool:
-        """Count a kernel message against the output cap (every message: output, widgets, errors; the kernel is
-        stopped once over it) and note a malformed one (sent by the learner's code on purpose: counted, dropped,
-        noted). True when the message may be used."""
+    def _count_every_message(self, kc) -> None:
+        """Count every message the kernel sends on its output channel, whichever cell it names (nbclient drops those
+        for other cells unseen), before anything else reads it."""
+        channel = kc.iopub_channel
+        get = channel.get_msg
+
+        async def counted(*args, **kwargs):
+            msg = await get(*args, **kwargs)
+            self._count(msg)
+            return msg
+
+        channel.get_msg = counted
+
+    def _count(self, msg: dict) -> None:
+        """Count a kernel message against the output cap (every message the kernel sends, for any cell: output,
+        widgets, metadata, errors); the kernel is stopped once over it."""
         self.output_bytes += _message_size(msg)
         if self.output_bytes > self.limits.output and not self.over_cap:
             self.over_cap = True
             self._kill()
+
+    def _usable(self, msg: dict) -> bool:
+        """Whether a message may be used: a malformed one (sent by the learner's code on purpose) is dropped and
+        noted."""
         malformed = _malformed(msg)
         self.malformed += malformed
         return not malformed
@@ -457,13 +470,10 @@ class _Grading:
                 if not await client.km.is_alive():
                     raise DeadKernelError("the kernel died during a check") from None
                 continue
-            header = reply.get("parent_header")
-            if not isinstance(header, dict) or header.get("msg_id") != parent:
-                continue
-            usable = self._account(reply)
             if self.over_cap:
                 raise DeadKernelError("output cap")
-            if not usable:
+            header = reply.get("parent_header")
+            if not isinstance(header, dict) or header.get("msg_id") != parent or not self._usable(reply):
                 continue
             content = reply["content"]
             if reply["msg_type"] == "stream" and content.get("name") == "stdout":
@@ -598,22 +608,26 @@ class _Grading:
             self.tamper += [str(t) for t in payload.get("tamper", [])]  # flagged on every exercise of the notebook
 
     def _judge(self, ex_id: str, text: str, seed: int) -> Outcome:
-        """The verdict on what the learner's code produced, decided here, in the grader's process, where no learner
-        code runs (course_utils.exercises.judge); one judgement at a time (checkers use torch's global state)."""
+        """The verdict on what the learner's code produced, decided by the grader where no learner code runs
+        (course_utils.exercises.judge, in the grader's judging process: judging.py)."""
         try:
             data = base64.b64decode(text, validate=True)
         except ValueError:
             data = b""
-        with _JUDGING:
-            result = exercises.judge(ex_id, data, seed=seed)
-        if result.status == INTERFERED:
+        try:
+            result = self.judge(ex_id, data, seed, 2 * self.registry[ex_id].timeout + 30)
+        except JudgeFailed as exc:
+            result = {"status": INTERFERED, "message": str(exc), "crashed": False}
+        if result["status"] == INTERFERED:
             return Outcome(NOT_RUN, f"no result: the record of what the answer produced does not match the checker "
-                                    f"({result.message}); the notebook's code interfered with the grader's check",
+                                    f"({result['message']}); the notebook's code interfered with the grader's check",
                            self.result.name, ["interfered with the record of the grader's check"])
-        if result.crashed:
-            return Outcome(NOT_RUN, f"no result: the course's checker failed on this answer ({result.message}); "
+        if result["status"] not in (CORRECT, INCORRECT, NOT_ATTEMPTED):
+            return Outcome(NOT_RUN, "no result: the grader's judgement gave none", self.result.name)
+        if result["crashed"]:
+            return Outcome(NOT_RUN, f"no result: the course's checker failed on this answer ({result['message']}); "
                                     "please report it to the course", self.result.name)
-        return Outcome(result.status, result.message, self.result.name)
+        return Outcome(result["status"], str(result["message"]), self.result.name)
 
 
 def grade(submissions, limits: Limits | None = None, jobs: int = 1, progress=None,
@@ -647,12 +661,16 @@ def grade(submissions, limits: Limits | None = None, jobs: int = 1, progress=Non
     tasks = [(learner, path) for learner, paths in learners.items() for path in paths]
 
     active: set[_Grading] = set()
+    judges, local = [], threading.local()  # a judging process per grading thread, started once
 
-    def one(task):
+    def one(task, alone=False):
         learner, path = task
         inside = path.relative_to(root)  # the learner's own folder (its name may not be the learner's) left out
         name = notebook_name(str(inside if len(inside.parts) == 1 else inside.relative_to(inside.parts[0])))
-        grading = _Grading(learner, path, name, registry, limits, sandbox, hide)
+        if not hasattr(local, "judge"):
+            local.judge = Judge(limits.memory)
+            judges.append(local.judge)
+        grading = _Grading(learner, path, name, registry, limits, sandbox, hide, local.judge)
         active.add(grading)
         try:
             result = grading.run()
@@ -670,20 +688,32 @@ def grade(submissions, limits: Limits | None = None, jobs: int = 1, progress=Non
                 also = ", or by a notebook running at the same time" if jobs > 1 else ""
                 result.alerts.append(f"files in {key} changed while it ran (by this notebook{also}, or by another "
                                      f"program): {', '.join(changes)}")
-        if progress:
+        if progress and not (result.status == "time limit" and jobs > 1 and not alone):
             progress(result)
         return result
 
     runs: dict[str, list[NotebookRun]] = {learner: [] for learner in learners}
     pool = ThreadPoolExecutor(max_workers=max(1, jobs))
     try:
-        for result in pool.map(one, tasks):
+        again = []
+        for task, result in zip(tasks, pool.map(one, tasks)):
+            if result.status == "time limit" and jobs > 1:  # maybe starved by a notebook beside it: a second run,
+                again.append(task)                          # alone, decides
+            else:
+                runs[result.learner].append(result)
+        for task in again:
+            result = one(task, alone=True)
+            result.notes.append(f"ran out of time beside other notebooks (--jobs {jobs}): graded again alone")
             runs[result.learner].append(result)
     except BaseException:  # Ctrl-C: stop every kernel now rather than after its notebook
         pool.shutdown(wait=False, cancel_futures=True)
         for grading in list(active):
             grading._kill()
         raise
+    finally:
+        pool.shutdown(wait=False)
+        for judge in judges:
+            judge.close()
     pool.shutdown()
     report = ClassReport(root, learners, runs, registry, limits, sandbox)
     report.guarded = list(guarded)

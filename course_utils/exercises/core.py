@@ -216,14 +216,19 @@ def _verdict(exercise_id: str, answer, timeout: float | None) -> tuple[Result, b
     except Exception as exc:  # raised by the answer, or the answer broke an assumption of the checker
         frames = traceback.extract_tb(exc.__traceback__)
         line = getattr(exc, "replayed_line", None) or frames[-1].lineno
-        crashed = getattr(exc, "replayed_crashed", None)
+        replayed = hasattr(exc, "replayed_line")
         if isinstance(exc, OutOfReach):  # only in a judgement: the checker itself is wrong
             return Result(INCORRECT, str(exc), crashed=True), False
+        try:
+            answer_text = observe(lambda: describe(answer))
+        except Interfered as interfered:
+            return Result(INTERFERED, str(interfered)), False
+        # A crash of the checker's own code, decided where it happened: an error replayed from a record is the
+        # answer's (the record may claim anything about where it came from).
         return Result(INCORRECT, _("checking your answer failed with {error}: {message} (your answer is {answer}; "
                                    "line {line} of the checker)").format(error=type(exc).__name__, message=exc,
-                                                                         answer=observe(lambda: describe(answer)),
-                                                                         line=line),
-                      crashed=raised_in_course_code(frames) if crashed is None else crashed), False
+                                                                         answer=answer_text, line=line),
+                      crashed=False if replayed else raised_in_course_code(frames)), False
     return Result(CORRECT, remark or _("well done")), False
 
 
@@ -250,7 +255,10 @@ def judge(exercise_id: str, data: bytes, timeout: float | None = None, seed: int
     except Interfered as exc:
         return Result(INTERFERED, str(exc))
     with replaying(log, seed) as session:
-        result = evaluate(exercise_id, ABSENT_ANSWER, timeout)
+        try:
+            result = evaluate(exercise_id, ABSENT_ANSWER, timeout)
+        except Exception as exc:  # whatever a record makes of the checker's own handling: no verdict from it
+            return Result(INTERFERED, _("the record does not decode ({error})").format(error=type(exc).__name__))
         if result.status != INTERFERED and leftover(session):
             return Result(INTERFERED, _("the record holds more than the checker asked for"))
     return result
@@ -302,6 +310,17 @@ def seeded(seed: int = 0):
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         yield
+
+
+def as_float(value) -> float | None:
+    """`value` as a float when it is a real number (an int or a float, not a bool) that a float can hold, NaN and
+    infinities included; None otherwise (an int beyond float's range among them)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    try:
+        return float(value)
+    except OverflowError:
+        return None
 
 
 def require_function(answer: Any, name: str) -> Callable:

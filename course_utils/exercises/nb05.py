@@ -23,7 +23,7 @@ from torch import nn
 
 from ..i18n import N_, _
 from ..memory import SimulatedGPU, format_bytes
-from .core import (AnswerTimeout, Exercise, Incorrect, Mistake, _short, call, describe, register, require_function,
+from .core import (AnswerTimeout, Exercise, Incorrect, Mistake, _short, as_float, call, describe, register, require_function,
                    seeded)
 from .probe import observe
 
@@ -127,8 +127,7 @@ def _check_training_state_bytes(training_state_bytes):
             every = sum(p.numel() * p.element_size() for p in model.parameters())
             trainable = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
             got = observe(lambda: call(training_state_bytes, model, opt_name, name="training_state_bytes"))
-            if isinstance(got, torch.Tensor) or isinstance(got, bool) or not isinstance(got, (int, float)) \
-                    or not math.isfinite(got):
+            if as_float(got) is None or not math.isfinite(as_float(got)):
                 raise Incorrect(_("training_state_bytes should return a number of bytes (an int), got {value}").format(
                     value=describe(got)))
             expected = _measured_state_bytes(case, opt_name)

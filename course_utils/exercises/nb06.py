@@ -36,9 +36,14 @@ def _as_number(value: Any, label: str) -> float:
             label=label, value=describe(value)))
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise Incorrect(_("{label} should return a number, got {value}").format(label=label, value=describe(value)))
-    if not math.isfinite(value):
-        raise Incorrect(_("{label} returned {value!r}; expected a finite number").format(label=label, value=value))
-    return float(value)
+    try:
+        number = float(value)
+    except OverflowError:  # an int beyond float's range
+        number = math.inf
+    if not math.isfinite(number):
+        raise Incorrect(_("{label} returned {value}; expected a finite number").format(label=label,
+                                                                                    value=_short(value)))
+    return number
 
 
 # --- 06.1 reading the autocast table ---------------------------------------------------------------

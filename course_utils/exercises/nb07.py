@@ -20,7 +20,7 @@ from torch import nn
 
 from ..i18n import N_, _
 from ._sync import HostReads, on_device
-from .core import AnswerTimeout, Exercise, Incorrect, Mistake, NotAttempted, call, describe, register
+from .core import AnswerTimeout, Exercise, Incorrect, Mistake, NotAttempted, as_float, call, describe, register
 from .probe import hold, observe
 
 # --- a tiny, fixed training problem the checkers run the learner's code on ---------------------------
@@ -57,10 +57,10 @@ def _as_loss(value, label: str) -> float:
     if isinstance(value, torch.Tensor):
         raise Incorrect(_("{label} returned a tensor ({value}); return a Python float: "
                           "call .item() once, at the end of the epoch").format(label=label, value=describe(value)))
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    if as_float(value) is None:
         raise Incorrect(_("{label} should return a float (the epoch's mean loss), got {value}").format(
             label=label, value=describe(value)))
-    return float(value)
+    return as_float(value)
 
 
 # --- 07.1 one epoch, one sync ----------------------------------------------------------------------

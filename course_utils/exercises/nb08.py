@@ -24,7 +24,7 @@ from torch import nn
 
 from .. import failures
 from ..i18n import N_, _
-from .core import Exercise, Incorrect, Mistake, call, describe, register
+from .core import Exercise, Incorrect, Mistake, as_float, call, describe, register
 from .probe import fresh_random, observe
 
 # --- 08.2 shard a dataset by rank --------------------------------------------------------------------
@@ -224,7 +224,7 @@ def _as_rate(got) -> int | float | str:
     for feedback (a str)."""
     if isinstance(got, torch.Tensor) and got.numel() == 1:
         got = got.item()
-    if isinstance(got, bool) or not isinstance(got, (int, float)):
+    if as_float(got) is None:  # not a number, or an int no float can hold
         return describe(got)
     return float(got) if isinstance(got, float) else int(got)
 

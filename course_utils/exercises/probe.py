@@ -211,12 +211,16 @@ def decode(data: bytes) -> list:
             return {back(k, depth + 1): back(x, depth + 1) for k, x in v.items()}
         if type(v) in (list, tuple, set):
             return type(v)(back(x, depth + 1) for x in v)
-        if isinstance(v, torch.Tensor):
+        if type(v) is torch.Tensor:  # what plain() writes: a dense copy on the CPU (or meta), nothing attached
             budget[0] -= v.numel()
-            if (type(v) is not torch.Tensor or v.layout != torch.strided or budget[0] < 0
-                    or v.untyped_storage().nbytes() < v.numel() * v.element_size()):
+            needed = v.numel() * v.element_size()
+            if (v.layout != torch.strided or v.device.type not in ("cpu", "meta") or budget[0] < 0 or vars(v)
+                    or not needed <= v.untyped_storage().nbytes() <= needed + 64):
                 raise Interfered(_("a malformed value"))
-        return v
+            return v
+        if type(v) in _EXACT or type(v) in (torch.dtype, torch.device, torch.Size):
+            return v
+        raise Interfered(_("a malformed value"))  # a type plain() never writes (OrderedDict, a class, ...)
 
     try:
         with warnings.catch_warnings():  # torch's remarks on a pickle it was not written by: the learner's choice
@@ -303,8 +307,8 @@ def _replayed_error(module: str, qualname: str, message: str, line: int, crashed
     base = Exception
     if module.split(".")[0] in _REPLAYABLE and module in sys.modules:
         found = sys.modules[module]
-        for part in qualname.split("."):
-            found = getattr(found, part, None)
+        for part in qualname.split("."):  # through __dict__ only: a module's __getattr__ (torch's imports) never runs
+            found = vars(found).get(part) if isinstance(found, type) or hasattr(found, "__dict__") else None
         if isinstance(found, type) and issubclass(found, Exception):
             base = found
     key = (base, qualname.rsplit(".", 1)[-1])
