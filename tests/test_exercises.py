@@ -63,28 +63,29 @@ def test_solving_replaces_every_blank():
             assert REGISTRY[ex_id].solution in solved.cells[i].source
 
 
-def verdict(ex, code: str):
+def verdict(ex, code: str, plain_too: bool = False):
     """The Result of `code`, after proving that the record of the same run, judged where the answer does not exist
-    (the grader's split), gives the very same Result, and that a plain check() run agrees on the status."""
+    (the grader's split), gives the very same Result (and, with `plain_too`, that a plain check() run agrees)."""
     direct, data = recorded(ex.id, run(ex, code), seed=SEED)
     judged = judge(ex.id, data, seed=SEED)
     assert (judged.status, judged.message, judged.crashed) == (direct.status, direct.message, direct.crashed), (
         ex.id, code, direct, judged)
-    assert evaluate(ex.id, run(ex, code)).status == direct.status, (ex.id, code)
+    if plain_too:
+        assert evaluate(ex.id, run(ex, code)).status == direct.status, (ex.id, code)
     return direct
 
 
 @pytest.mark.parametrize("ex_id", IDS)
 def test_blank_is_not_attempted(ex_id):
     ex = REGISTRY[ex_id]
-    result = verdict(ex, ex.blank)
+    result = verdict(ex, ex.blank, plain_too=True)
     assert result.status == NOT_ATTEMPTED, result
 
 
 @pytest.mark.parametrize("ex_id", IDS)
 def test_solution_passes(ex_id):
     ex = REGISTRY[ex_id]
-    result = verdict(ex, ex.solution)
+    result = verdict(ex, ex.solution, plain_too=True)
     assert result.status == CORRECT, result
 
 
