@@ -284,3 +284,17 @@ def test_a_record_that_crashes_or_hangs_its_reader_costs_the_grader_one_judging_
         assert judge_("01.1", solved, 1, 30)["status"] == CORRECT
     finally:
         judge_.close()
+
+
+@pytest.mark.parametrize("module, qualname", [("course_utils.exercises.probe", "OutOfReach"),
+                                              ("course_utils.exercises.probe", "Interfered"),
+                                              ("builtins", "ExceptionGroup"), ("builtins", "UnicodeDecodeError"),
+                                              ("builtins", "BaseExceptionGroup")])
+def test_a_replayed_exception_of_any_class_is_the_answer_s_error(module, qualname):
+    """Classes that mean something to the judgement itself (a checker bug, interference) or that cannot be built
+    from one text: the answer's error all the same, never "the course's checker failed"."""
+    wrong = _wrong()
+    first = next(i for i, e in enumerate(wrong) if e[0] == "value")
+    forged = wrong[:first] + [("error", wrong[first][1], module, qualname, "x", 1, False), ("end", "done")]
+    result = judge("01.1", probe.encode(forged))
+    assert result.status in (INCORRECT, INTERFERED) and not result.crashed, result

@@ -217,7 +217,7 @@ def _verdict(exercise_id: str, answer, timeout: float | None) -> tuple[Result, b
         frames = traceback.extract_tb(exc.__traceback__)
         line = getattr(exc, "replayed_line", None) or frames[-1].lineno
         replayed = hasattr(exc, "replayed_line")
-        if isinstance(exc, OutOfReach):  # only in a judgement: the checker itself is wrong
+        if isinstance(exc, OutOfReach) and not replayed:  # only in a judgement: the checker itself is wrong
             return Result(INCORRECT, str(exc), crashed=True), False
         try:
             answer_text = observe(lambda: describe(answer))
