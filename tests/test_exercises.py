@@ -217,3 +217,14 @@ def test_numbers_at_the_edge_of_float_get_feedback_not_a_crash(ex_id):
         kernel, data = recorded(ex_id, lambda *args, _v=value, **kwargs: _v, timeout=3, seed=SEED)
         assert not kernel.crashed, (ex_id, value, kernel.message)
         assert judge(ex_id, data, seed=SEED).status == kernel.status
+
+
+@pytest.mark.parametrize("ex_id", IDS)
+def test_zero_dimensional_tensors_of_odd_kinds_get_feedback_not_a_crash(ex_id):
+    """A complex or a meta 0-d tensor returned where a number is asked (found by an outside attack on 01.2)."""
+    import torch
+
+    for value in (torch.tensor(1 + 2j), torch.empty((), device="meta")):
+        kernel, data = recorded(ex_id, lambda *args, _v=value, **kwargs: _v, timeout=3, seed=SEED)
+        judged = judge(ex_id, data, seed=SEED)  # what the grader reports
+        assert not judged.crashed and judged.status == kernel.status, (ex_id, value, judged.message)

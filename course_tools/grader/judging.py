@@ -78,7 +78,10 @@ class Judge:
             raise JudgeFailed("the grader's judging process stopped") from None
         reply = self._line(seconds)
         if not isinstance(reply, dict) or not {"status", "message", "crashed"} <= set(reply):
-            died = self.process.poll()
+            try:
+                died = self.process.wait(timeout=1)  # a worker that crashed is reaped before its status is read
+            except subprocess.TimeoutExpired:
+                died = None
             self.close()
             if died is None:
                 raise JudgeFailed(f"judging the record took longer than {seconds:g} s")

@@ -138,7 +138,7 @@ def _kernel_env(work: str, limits: Limits) -> dict:
 
 def _message_size(msg: dict) -> int:
     """Roughly the bytes a kernel message carries (text, rich data, widget state, binary buffers, tracebacks)."""
-    size = len(str(msg.get("content", ""))) + len(str(msg.get("metadata", "")))  # all of it, whatever its shape
+    size = sum(len(str(msg.get(part, ""))) for part in ("header", "parent_header", "metadata", "content"))
     return size + sum(len(b) for b in msg.get("buffers", []) or [] if hasattr(b, "__len__"))
 
 
@@ -614,10 +614,15 @@ class _Grading:
             data = base64.b64decode(text, validate=True)
         except ValueError:
             data = b""
+        # The judgement's time counts against the notebook's, like its cells': a record slow to read buys nothing.
+        began = time.monotonic()
         try:
-            result = self.judge(ex_id, data, seed, 2 * self.registry[ex_id].timeout + 30)
+            result = self.judge(ex_id, data, seed, max(1.0, min(2 * self.registry[ex_id].timeout + 30,
+                                                                self.limits.timeout - self.spent)))
         except JudgeFailed as exc:
             result = {"status": INTERFERED, "message": str(exc), "crashed": False}
+        finally:
+            self.spent += time.monotonic() - began
         if result["status"] == INTERFERED:
             return Outcome(NOT_RUN, f"no result: the record of what the answer produced does not match the checker "
                                     f"({result['message']}); the notebook's code interfered with the grader's check",
@@ -628,6 +633,13 @@ class _Grading:
             return Outcome(NOT_RUN, f"no result: the course's checker failed on this answer ({result['message']}); "
                                     "please report it to the course", self.result.name)
         return Outcome(result["status"], str(result["message"]), self.result.name)
+
+
+def _maybe_starved(result: NotebookRun) -> bool:
+    """A run that other notebooks beside it could have starved of CPU: out of time, its kernel or its judging
+    process not started in time."""
+    return (result.status in ("time limit", "could not run")
+            or any("did not start" in o.message for o in result.outcomes.values()))
 
 
 def grade(submissions, limits: Limits | None = None, jobs: int = 1, progress=None,
@@ -688,7 +700,7 @@ def grade(submissions, limits: Limits | None = None, jobs: int = 1, progress=Non
                 also = ", or by a notebook running at the same time" if jobs > 1 else ""
                 result.alerts.append(f"files in {key} changed while it ran (by this notebook{also}, or by another "
                                      f"program): {', '.join(changes)}")
-        if progress and not (result.status == "time limit" and jobs > 1 and not alone):
+        if progress and not (_maybe_starved(result) and jobs > 1 and not alone):
             progress(result)
         return result
 
@@ -697,13 +709,14 @@ def grade(submissions, limits: Limits | None = None, jobs: int = 1, progress=Non
     try:
         again = []
         for task, result in zip(tasks, pool.map(one, tasks)):
-            if result.status == "time limit" and jobs > 1:  # maybe starved by a notebook beside it: a second run,
-                again.append(task)                          # alone, decides
+            if _maybe_starved(result) and jobs > 1:  # maybe starved by a notebook beside it: a second run, alone,
+                again.append(task)                     # decides
             else:
                 runs[result.learner].append(result)
         for task in again:
             result = one(task, alone=True)
-            result.notes.append(f"ran out of time beside other notebooks (--jobs {jobs}): graded again alone")
+            result.notes.append(f"ran out of time or could not start beside other notebooks (--jobs {jobs}): graded "
+                                "again alone")
             runs[result.learner].append(result)
     except BaseException:  # Ctrl-C: stop every kernel now rather than after its notebook
         pool.shutdown(wait=False, cancel_futures=True)

@@ -323,6 +323,17 @@ def as_float(value) -> float | None:
         return None
 
 
+def real_item(value):
+    """A one-element tensor's Python number when it holds a real number with data (not complex, not on the meta
+    device); anything else unchanged."""
+    import torch
+
+    if (isinstance(value, torch.Tensor) and value.numel() == 1 and value.device.type != "meta"
+            and not value.is_complex()):
+        return value.item()
+    return value
+
+
 def require_function(answer: Any, name: str) -> Callable:
     """`answer` if it is a function (not a class), else Incorrect naming what it is."""
     if isinstance(answer, type) or not callable(answer):

@@ -15,7 +15,7 @@ import warnings
 import torch
 
 from ..i18n import N_, _
-from .core import Exercise, Incorrect, Mistake, call, describe, register
+from .core import Exercise, Incorrect, Mistake, as_float, call, describe, real_item, register
 from .probe import hold, observe
 
 
@@ -29,11 +29,10 @@ def _require_class(answer, name: str) -> None:
 
 def _as_float(value, label: str) -> float:
     """A real number (int, float, or a 0-d tensor) as a float; anything else is feedback."""
-    if isinstance(value, torch.Tensor) and value.numel() == 1:
-        return float(value)
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+    value = real_item(value)
+    if as_float(value) is None:  # not a real number, or an int no float can hold
         raise Incorrect(_("{label} should return a number, got {value}").format(label=label, value=describe(value)))
-    return float(value)
+    return as_float(value)
 
 
 def _close(a: float, b: float, tol: float = 1e-9) -> bool:

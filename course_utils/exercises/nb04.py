@@ -18,7 +18,7 @@ import torch
 
 from ._sync import HostReads, on_device
 from ..i18n import N_, _
-from .core import AnswerTimeout, Exercise, Incorrect, Mistake, as_float, call, describe, register
+from .core import AnswerTimeout, Exercise, Incorrect, Mistake, as_float, call, describe, real_item, register
 from .probe import Opaque, hold, observe, short
 
 _READ_OP = "aten::_local_scalar_dense"  # every scalar read: .item(), float(), int(), bool(), formatting
@@ -26,9 +26,7 @@ _ITEM_OP = "aten::item"                 # the op those call, which calls _READ_O
 
 
 def _as_number(value, label: str, what: str) -> float:
-    if isinstance(value, torch.Tensor) and value.numel() == 1:
-        value = float(value)
-    number = as_float(value)
+    number = as_float(real_item(value))
     if number is None or not math.isfinite(number):
         raise Incorrect(_("{label} should return {what}, got {value}").format(
             label=label, what=what, value=describe(value)))

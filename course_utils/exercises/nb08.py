@@ -24,7 +24,7 @@ from torch import nn
 
 from .. import failures
 from ..i18n import N_, _
-from .core import Exercise, Incorrect, Mistake, as_float, call, describe, register
+from .core import Exercise, Incorrect, Mistake, as_float, call, describe, real_item, register
 from .probe import fresh_random, observe
 
 # --- 08.2 shard a dataset by rank --------------------------------------------------------------------
@@ -222,8 +222,7 @@ def _lr_with(target: float, step: int, base_lr: float, warmup: int) -> float:
 def _as_rate(got) -> int | float | str:
     """scaled_lr's answer as an int or a float (a one-element tensor gives its item), or else what it is, described
     for feedback (a str)."""
-    if isinstance(got, torch.Tensor) and got.numel() == 1:
-        got = got.item()
+    got = real_item(got)
     if as_float(got) is None:  # not a number, or an int no float can hold
         return describe(got)
     return float(got) if isinstance(got, float) else int(got)

@@ -19,6 +19,7 @@ is named by `Exercise.inside` (counts measured in the learner's process, such as
 """
 from __future__ import annotations
 
+import builtins
 import contextvars
 import io
 import numbers
@@ -298,6 +299,7 @@ def _error_entry(label: str, exc: Exception) -> tuple:
 
 
 _REPLAYABLE = ("builtins", "torch", "course_utils", "numpy")
+_GROUPS = tuple(c for c in (getattr(builtins, "BaseExceptionGroup", None),) if c is not None)  # Python 3.11+
 _replayed_classes: dict = {}
 
 
@@ -311,7 +313,7 @@ def _replayed_error(module: str, qualname: str, message: str, line: int, crashed
             found = vars(found).get(part) if isinstance(found, type) or hasattr(found, "__dict__") else None
         if isinstance(found, type) and issubclass(found, Exception):
             base = found
-    if issubclass(base, (OutOfReach, Interfered, BaseExceptionGroup)):
+    if issubclass(base, (OutOfReach, Interfered, *_GROUPS)):
         base = Exception  # a verdict of the course's own, or a class built another way (a group): only its name
     key = (base, qualname.rsplit(".", 1)[-1])
     cls = _replayed_classes.get(key)
