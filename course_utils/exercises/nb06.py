@@ -23,7 +23,7 @@ from torch import nn
 
 from ..amp import OpDtypes, underflow_fraction
 from ..i18n import N_, _
-from .core import (AnswerTimeout, Exercise, Incorrect, Mistake, NotAttempted, _short, call, describe, register,
+from .core import (AnswerTimeout, Exercise, Incorrect, Mistake, NotAttempted, _short, as_float, call, describe, register,
                    require_function, seeded)
 from .probe import observe
 
@@ -36,11 +36,8 @@ def _as_number(value: Any, label: str) -> float:
             label=label, value=describe(value)))
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise Incorrect(_("{label} should return a number, got {value}").format(label=label, value=describe(value)))
-    try:
-        number = float(value)
-    except OverflowError:  # an int beyond float's range
-        number = math.inf
-    if not math.isfinite(number):
+    number = as_float(value)  # None for an int beyond float's range
+    if number is None or not math.isfinite(number):
         raise Incorrect(_("{label} returned {value}; expected a finite number").format(label=label,
                                                                                     value=_short(value)))
     return number
