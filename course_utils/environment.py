@@ -405,8 +405,9 @@ def cpu_load_line(use: CpuUse) -> str:
     """One line on what other processes do to this course's timings (notebook 04 explains why)."""
     if use.others >= 0.5:
         return _("Busy machine: other processes are using {others:.1f} of the {cpus:g} CPUs right now. Training and "
-                 "timing cells will run slower than on a quiet machine (twice as long is usual when one of two cores "
-                 "is taken) and their figures will vary more; notebook 04, section 8, shows why.").format(
+                 "timing cells will run slower than on a quiet machine and their figures will vary more. Before each "
+                 "cell the course gives torch one thread fewer for each core that others hold, which keeps the "
+                 "slowdown small; notebook 04, section 6, shows why.").format(
             others=use.others, cpus=use.cpus)
     return _("Other processes are using {others:.1f} of the {cpus:g} CPUs: a quiet machine, so this course's "
              "timings will be representative.").format(others=use.others, cpus=use.cpus)

@@ -5,6 +5,8 @@
 - `BusyCores(n)`: `n` CPU-bound processes of someone else's (a browser tab, a video call, another kernel) for as long
   as a `with` block runs: what a learner's laptop is like.
 - `wait_policy()`: how torch's OpenMP threads wait for work in this process, from `OMP_WAIT_POLICY`.
+- `follow_load()`: in Jupyter, before each cell, torch's thread count follows the cores other processes leave free
+  (every notebook's first cell calls it).
 
 Why it matters: torch runs an operation's parallel regions on `torch.get_num_threads()` threads (one per core by
 default), and a region ends only when its slowest thread is done. When another program holds one of the cores, the
@@ -23,7 +25,7 @@ from dataclasses import dataclass
 
 from .i18n import _
 
-__all__ = ["BusyCores", "CpuUse", "cpu_use", "wait_policy"]
+__all__ = ["BusyCores", "CpuUse", "LoadFollower", "cpu_use", "follow_load", "following", "wait_policy"]
 
 # A loop that holds one core; it exits by itself when the process that started it is gone (checked every 0.2 s) or
 # after `seconds`, so a kernel restarted, or a cell interrupted while it starts one, leaves nothing running for long.
@@ -58,6 +60,14 @@ class CpuUse:
             mine=self.mine, others=self.others, cpus=self.cpus)
 
 
+def _since(source) -> CpuUse:
+    """CPU use since `source` (a `monitor.HostSource`) last sampled, or was made."""
+    host = source.sample()
+    busy = (host.cpu_percent or 0.0) / 100 * host.cpu_count
+    mine = (host.kernel_cpu_percent or 0.0) / 100 * host.cpu_count
+    return CpuUse(mine=mine, others=max(0.0, busy - mine), cpus=host.cpu_count)
+
+
 def cpu_use(seconds: float = 0.5) -> CpuUse:
     """Measure for `seconds` (the call sleeps meanwhile) how busy the CPUs this process may use are, and how much of
     that is this process's own (with its children)."""
@@ -65,10 +75,7 @@ def cpu_use(seconds: float = 0.5) -> CpuUse:
 
     source = HostSource()  # its baseline: now
     time.sleep(seconds)
-    host = source.sample()
-    busy = (host.cpu_percent or 0.0) / 100 * host.cpu_count
-    mine = (host.kernel_cpu_percent or 0.0) / 100 * host.cpu_count
-    return CpuUse(mine=mine, others=max(0.0, busy - mine), cpus=host.cpu_count)
+    return _since(source)
 
 
 def wait_policy() -> str:
@@ -125,6 +132,96 @@ class BusyCores:
                     break
                 time.sleep(0.01)
 
+
+class LoadFollower:
+    """Before each cell, sets torch's intra-op thread count to the cores that other processes left free since the
+    previous decision: `threads` (the count at the start, one per core by default) when the machine is quiet, fewer
+    when others held cores (a core counts as held from half its time), never under 1.
+
+    A decision takes a few psutil reads (under a millisecond) and is made only when at least `span` seconds have
+    passed since the last one, so a run of quick cells is judged over their whole span. It runs on the kernel's main
+    thread, where cells run: OpenMP keeps the thread count per calling thread. Once the count is not the one this
+    follower set (the learner called `torch.set_num_threads`), it stops and leaves the count alone. `changes` lists
+    the decisions that changed the count: (the cell's execution count, other processes' CPUs, threads).
+    """
+
+    def __init__(self, span: float = 0.5):
+        import torch
+
+        from .monitor.host import HostSource
+
+        self._torch, self._source, self.span = torch, HostSource(), span
+        self.threads = self.current = torch.get_num_threads()
+        self._asked = time.monotonic()
+        self.changes: list[tuple[int, float, int]] = []
+        self.stopped = False
+
+    def decide(self, use: CpuUse) -> int:
+        """The thread count for a span with this CPU use."""
+        held = int(use.others + 0.5)
+        return max(1, min(self.threads, int(use.cpus + 1e-9) - held))
+
+    def before_cell(self, *_info) -> None:
+        """IPython's pre_run_cell event."""
+        self.update()
+
+    def update(self) -> None:
+        """Decide now (what happens before each cell), from the CPU use since the last decision."""
+        if self.stopped:
+            return
+        if self._torch.get_num_threads() != self.current:  # the learner chose a count: theirs from now on
+            self.stop()
+            return
+        now = time.monotonic()
+        if now - self._asked < self.span:
+            return
+        use, self._asked = _since(self._source), now
+        wanted = self.decide(use)
+        if wanted != self.current:
+            self._torch.set_num_threads(wanted)
+            self.current = wanted
+            shell = _shell()  # IPython counts a cell before it runs: this one's number is one less
+            cell = getattr(shell, "execution_count", 1) - 1
+            self.changes.append((cell, round(use.others, 2), wanted))
+
+    def stop(self) -> None:
+        """Stop following; the thread count stays as it is."""
+        self.stopped = True
+        shell = _shell()
+        if shell is not None:
+            try:
+                shell.events.unregister("pre_run_cell", self.before_cell)
+            except ValueError:  # not registered
+                pass
+
+
+def _shell():
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        return None
+    return get_ipython()
+
+
+_follower: LoadFollower | None = None
+
+
+def follow_load(span: float = 0.5) -> None:
+    """In IPython or Jupyter: before each cell, torch's thread count follows the cores other processes left free
+    (a `LoadFollower`, which `following()` returns). Outside IPython it does nothing. Calling it again keeps the
+    follower there is, or starts a new one if it had stopped."""
+    global _follower
+    shell = _shell()
+    if shell is None:
+        return
+    if _follower is None or _follower.stopped:
+        _follower = LoadFollower(span)
+        shell.events.register("pre_run_cell", _follower.before_cell)
+
+
+def following() -> LoadFollower | None:
+    """The follower `follow_load()` started in this kernel, or None."""
+    return _follower
 
 
 # What notebook 04 compares: OpenMP's settings for a fresh process (None: unset) and the thread counts timed in it.

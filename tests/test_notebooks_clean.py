@@ -30,7 +30,7 @@ def test_notebook_is_a_clean_fresh_run(path):
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: str(p.relative_to(FOLDER)))
 def test_openmps_spin_is_set_before_anything_imports_torch(path):
-    """OpenMP reads GOMP_SPINCOUNT once, when torch loads it (notebook 04, section 8): the first code cell must set it
+    """OpenMP reads GOMP_SPINCOUNT once, when torch loads it (notebook 04, section 6): the first code cell must set it
     before its first import of torch or of course_utils (which imports torch)."""
     import ast
 
@@ -49,3 +49,4 @@ def test_openmps_spin_is_set_before_anything_imports_torch(path):
 
     first_torch = next(i for i, node in enumerate(body) if imports_torch(node))
     assert setting < first_torch, f"{path.name}: torch is imported (statement {first_torch}) before the setting"
+    assert "follow_load()" in names, f"{path.name}: the first cell does not start the thread follower (notebook 04)"

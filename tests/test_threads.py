@@ -62,3 +62,57 @@ def test_wait_policy_reads_the_environment(monkeypatch):
     assert wait_policy() == "PASSIVE"
     monkeypatch.delenv("OMP_WAIT_POLICY")
     assert wait_policy() == "default"
+
+
+def test_the_follower_takes_one_thread_per_core_others_hold():
+    from course_utils.threads import LoadFollower
+
+    follower = LoadFollower.__new__(LoadFollower)  # decide() alone: no shell, no sampling
+    follower.threads = 2
+    assert follower.decide(CpuUse(mine=1.9, others=0.2, cpus=2)) == 2  # the server, the browser at rest
+    assert follower.decide(CpuUse(mine=1.0, others=0.5, cpus=2)) == 1  # half a core held counts as held
+    assert follower.decide(CpuUse(mine=0.6, others=0.67, cpus=2)) == 1  # a busy loop beside two spinning threads
+    assert follower.decide(CpuUse(mine=0.2, others=3.0, cpus=2)) == 1  # never under one
+    follower.threads = 6  # OMP_NUM_THREADS=6 on 8 cores: never more than the count it started with
+    assert follower.decide(CpuUse(mine=0.0, others=0.0, cpus=8)) == 6
+    assert follower.decide(CpuUse(mine=0.0, others=3.2, cpus=8)) == 5
+    assert follower.decide(CpuUse(mine=0.0, others=1.0, cpus=1.5)) == 1  # a CPU quota of 1.5
+
+
+_KERNEL = """
+import json
+from IPython.core.interactiveshell import InteractiveShell
+import torch
+torch.set_num_threads(2)
+shell, seen = InteractiveShell.instance(), {}
+for name, cell in [
+    ("start", "import time, torch\\nfrom course_utils.threads import BusyCores, follow_load, following\\nfollow_load()"),
+    ("quiet", "time.sleep(1.0)"),
+    ("busy", "busy = BusyCores(1).__enter__()\\ntime.sleep(1.0)"),
+    ("during", "busy.__exit__()\\ntime.sleep(1.0)"),
+    ("back", "torch.set_num_threads(1)  # the learner's choice\\ntime.sleep(1.0)"),
+    ("kept", "time.sleep(1.0)"),
+]:
+    shell.run_cell(cell, store_history=True)  # as Jupyter runs a cell: it has an execution count
+    seen[name] = torch.get_num_threads() if name != "back" else shell.user_ns["following"]().current
+seen["changes"] = shell.user_ns["following"]().changes
+print(json.dumps(seen))
+"""
+
+
+@pytest.mark.skipif(len(psutil.Process().cpu_affinity() or [0]) < 2, reason="needs two cores")
+def test_in_a_real_ipython_shell_the_threads_follow_a_busy_core_and_then_the_learner():
+    import json
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _KERNEL], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    seen = json.loads(out.stdout.strip().splitlines()[-1])
+    # what a cell ran with is what the follower decided before it, from the cells before it
+    assert seen["quiet"] == 2 and seen["busy"] == 2, seen  # nothing held a core yet
+    assert seen["during"] == 1, seen  # the cell after a second with one core held by another process
+    assert seen["back"] == 2, seen  # a quiet second later, both threads again (then the learner set 1)
+    assert seen["kept"] == 1, seen  # a quiet second after the learner's choice: still theirs
+    assert [threads for _cell, _others, threads in seen["changes"]] == [1, 2], seen
+    assert [cell for cell, _others, _threads in seen["changes"]] == [4, 5], seen  # the cells' execution counts
