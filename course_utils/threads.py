@@ -23,6 +23,7 @@ import sys
 import time
 from dataclasses import dataclass
 
+from .errors import first_line
 from .i18n import _
 
 __all__ = ["BusyCores", "CpuUse", "LoadFollower", "cpu_use", "follow_load", "following", "wait_policy"]
@@ -135,14 +136,18 @@ class BusyCores:
 
 class LoadFollower:
     """Before each cell, sets torch's intra-op thread count to the cores that other processes left free since the
-    previous decision: `threads` (the count at the start, one per core by default) when the machine is quiet, fewer
-    when others held cores (a core counts as held from half its time), never under 1.
+    previous decision: `threads` (the count at the start, one per core by default) when the machine is quiet, one
+    fewer for each core's worth of CPU time that other processes used (rounded: half a core counts), never under 1.
+    With a CPU quota (a container), the quota's whole CPUs are the cores.
 
-    A decision takes a few psutil reads (under a millisecond) and is made only when at least `span` seconds have
-    passed since the last one, so a run of quick cells is judged over their whole span. It runs on the kernel's main
-    thread, where cells run: OpenMP keeps the thread count per calling thread. Once the count is not the one this
-    follower set (the learner called `torch.set_num_threads`), it stops and leaves the count alone. `changes` lists
-    the decisions that changed the count: (the cell's execution count, other processes' CPUs, threads).
+    A decision takes a few psutil reads (about a millisecond; more on a machine with hundreds of processes) and is
+    made only when at least `span` seconds have passed since the last one, so a run of quick cells is judged over
+    their whole span. This process's children (DataLoader workers, torchrun) count as its own. It runs on the
+    kernel's main thread, where cells run: OpenMP keeps the thread count per calling thread. Once the count is not
+    the one this follower set (the learner called `torch.set_num_threads` with another count), it stops and leaves
+    the count alone; `stop()` stops it in any case (a count equal to the follower's cannot be told from it). If a
+    reading fails, it prints one line and stops. `changes` lists the decisions that changed the count: (the cell's
+    execution count, other processes' CPUs, threads).
     """
 
     def __init__(self, span: float = 0.5):
@@ -152,6 +157,7 @@ class LoadFollower:
 
         self._torch, self._source, self.span = torch, HostSource(), span
         self.threads = self.current = torch.get_num_threads()
+        self.kind = "LoadFollower"  # how follow_load() finds it among the shell's callbacks, whatever module made it
         self._asked = time.monotonic()
         self.changes: list[tuple[int, float, int]] = []
         self.stopped = False
@@ -162,8 +168,13 @@ class LoadFollower:
         return max(1, min(self.threads, int(use.cpus + 1e-9) - held))
 
     def before_cell(self, *_info) -> None:
-        """IPython's pre_run_cell event."""
-        self.update()
+        """IPython's pre_run_cell event: never a traceback above the learner's cell."""
+        try:
+            self.update()
+        except Exception as error:  # psutil or /proc failing: one line, once (no frame of a hook's is the
+            self.stop()             # learner's), and the count stays as it is
+            print(_("torch's thread count no longer follows the load ({error}); it stays at {threads}.").format(
+                error=first_line(error), threads=self._torch.get_num_threads()), file=sys.stderr)
 
     def update(self) -> None:
         """Decide now (what happens before each cell), from the CPU use since the last decision."""
@@ -206,6 +217,17 @@ def _shell():
 _follower: LoadFollower | None = None
 
 
+def _registered(shell) -> list:
+    """The followers registered with this shell that still follow, also ones made before this module was reloaded
+    (`%autoreload`), whose class is another."""
+    found = []
+    for callback in list(shell.events.callbacks.get("pre_run_cell", [])):
+        owner = getattr(callback, "__self__", None)
+        if getattr(owner, "kind", None) == "LoadFollower" and not getattr(owner, "stopped", True):
+            found.append(owner)
+    return found
+
+
 def follow_load(span: float = 0.5) -> None:
     """In IPython or Jupyter: before each cell, torch's thread count follows the cores other processes left free
     (a `LoadFollower`, which `following()` returns). Outside IPython it does nothing. Calling it again keeps the
@@ -214,9 +236,12 @@ def follow_load(span: float = 0.5) -> None:
     shell = _shell()
     if shell is None:
         return
-    if _follower is None or _follower.stopped:
-        _follower = LoadFollower(span)
-        shell.events.register("pre_run_cell", _follower.before_cell)
+    running = _registered(shell)
+    if running:  # one already follows (made by this module, or by it before a reload)
+        _follower = running[0]
+        return
+    _follower = LoadFollower(span)
+    shell.events.register("pre_run_cell", _follower.before_cell)
 
 
 def following() -> LoadFollower | None:

@@ -116,3 +116,57 @@ def test_in_a_real_ipython_shell_the_threads_follow_a_busy_core_and_then_the_lea
     assert seen["kept"] == 1, seen  # a quiet second after the learner's choice: still theirs
     assert [threads for _cell, _others, threads in seen["changes"]] == [1, 2], seen
     assert [cell for cell, _others, _threads in seen["changes"]] == [4, 5], seen  # the cells' execution counts
+
+
+_EDGES = """
+import importlib, json, sys
+from IPython.core.interactiveshell import InteractiveShell
+import torch
+torch.set_num_threads(2)
+shell, seen = InteractiveShell.instance(), {}
+def cell(code):
+    shell.run_cell(code, store_history=True)
+cell("import time, torch\\nfrom torch.utils.data import DataLoader, Dataset\\n"
+     "import course_utils.threads as threads\\nthreads.follow_load()")
+# a DataLoader epoch whose two workers do a second of CPU work each, then end: this kernel's work, not another's
+cell("class Slow(Dataset):\\n"
+     "    def __len__(self): return 8\\n"
+     "    def __getitem__(self, i):\\n"
+     "        t = time.process_time()\\n"
+     "        while time.process_time() - t < 0.25: pass\\n"
+     "        return torch.zeros(4)\\n"
+     "for batch in DataLoader(Slow(), batch_size=2, num_workers=2): pass")
+cell("pass")
+seen["after_workers"] = torch.get_num_threads()
+seen["changes"] = shell.user_ns["threads"].following().changes
+# %autoreload reloads the module: running the first cell again must not register a second follower
+cell("importlib = __import__('importlib'); threads = importlib.reload(threads); threads.follow_load()")
+seen["callbacks"] = sum(getattr(getattr(cb, "__self__", None), "kind", None) == "LoadFollower"
+                        for cb in shell.events.callbacks["pre_run_cell"])
+follower = shell.user_ns["threads"].following()
+seen["found_again"] = follower is not None and not follower.stopped
+# a reading that fails: one line, once, then the count is left alone
+cell("def broken():\\n    raise OSError(5, 'Input/output error')\\nthreads.following()._source.sample = broken\\n"
+     "time.sleep(0.6)")
+for _ in range(3):
+    cell("time.sleep(0.6)")
+seen["stopped"] = shell.user_ns["threads"].following().stopped
+print(json.dumps(seen))
+"""
+
+
+@pytest.mark.skipif(len(psutil.Process().cpu_affinity() or [0]) < 2, reason="needs two cores")
+def test_the_follower_counts_its_workers_as_its_own_survives_a_reload_and_a_failed_reading():
+    import json
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _EDGES], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    seen = json.loads(out.stdout.strip().splitlines()[-1])
+    assert seen["after_workers"] == 2 and seen["changes"] == [], seen  # the workers' 2 CPU-seconds were ours
+    assert seen["callbacks"] == 1 and seen["found_again"], seen
+    assert seen["stopped"], seen
+    said = [line for line in (out.stdout + out.stderr).splitlines() if "no longer follows the load" in line]
+    assert len(said) == 1 and "OSError" in said[0], out.stdout + out.stderr
+    assert "Traceback" not in out.stdout + out.stderr, out.stdout + out.stderr

@@ -230,8 +230,9 @@ class HostSource:
         self._kernel_percent: float | None = None
 
     def _kernel_seconds(self) -> float | None:
-        """CPU seconds used so far by this process and its live children (DataLoader workers): what the rest of
-        the busy share is not."""
+        """CPU seconds used so far by this process and its descendants (DataLoader workers, a torchrun and its
+        workers): what the rest of the busy share is not. Each live one's own time, plus what the ones it waited for
+        left in its children's counters (Linux; 0 elsewhere), so a worker that ends stays counted."""
         try:
             procs = [self._process, *self._process.children(recursive=True)]
         except self._psutil.Error:
@@ -242,7 +243,7 @@ class HostSource:
                 t = proc.cpu_times()
             except self._psutil.Error:  # a child that just exited
                 continue
-            total += t.user + t.system
+            total += t.user + t.system + getattr(t, "children_user", 0.0) + getattr(t, "children_system", 0.0)
         return total
 
     def _kernel(self, cpu_count: float) -> float | None:
