@@ -135,22 +135,22 @@ class BusyCores:
 
 
 class LoadFollower:
-    """Before each cell, sets torch's intra-op thread count to the cores that other processes left free since the
-    previous decision: `threads` (the count at the start, one per core by default) when the machine is quiet, one
+    """Before each cell, sets torch's intra-op thread count to the cores that other processes left free over the
+    last `window` seconds: `threads` (the count at the start, one per core by default) when the machine is quiet, one
     fewer for each core's worth of CPU time that other processes used (rounded: half a core counts), never under 1.
-    With a CPU quota (a container), the quota's whole CPUs are the cores.
+    With a CPU quota (a container), the quota's whole CPUs are the cores. The window keeps a moment's spike (a kernel
+    shutting down, a tab loading) from changing the count; the time before the follower started counts as quiet.
 
-    A decision takes a few psutil reads (about a millisecond; more on a machine with hundreds of processes) and is
-    made only when at least `span` seconds have passed since the last one, so a run of quick cells is judged over
-    their whole span. This process's children (DataLoader workers, torchrun) count as its own. It runs on the
-    kernel's main thread, where cells run: OpenMP keeps the thread count per calling thread. Once the count is not
-    the one this follower set (the learner called `torch.set_num_threads` with another count), it stops and leaves
-    the count alone; `stop()` stops it in any case (a count equal to the follower's cannot be told from it). If a
-    reading fails, it prints one line and stops. `changes` lists the decisions that changed the count: (the cell's
-    execution count, other processes' CPUs, threads).
+    A decision takes a few psutil reads (about a millisecond; more on a machine with hundreds of processes), made
+    only when at least `span` seconds have passed since the last one. This process's children (DataLoader workers,
+    torchrun) count as its own. It runs on the kernel's main thread, where cells run: OpenMP keeps the thread count
+    per calling thread. Once the count is not the one this follower set (the learner called `torch.set_num_threads`
+    with another count), it stops and leaves the count alone; `stop()` stops it in any case (a count equal to the
+    follower's cannot be told from it). If a reading fails, it prints one line and stops. `changes` lists the
+    decisions that changed the count: (the cell's execution count, other processes' CPUs over the window, threads).
     """
 
-    def __init__(self, span: float = 0.5):
+    def __init__(self, span: float = 0.5, window: float = 2.0):
         import torch
 
         from .monitor.host import HostSource
@@ -158,7 +158,8 @@ class LoadFollower:
         self._torch, self._source, self.span = torch, HostSource(), span
         self.threads = self.current = torch.get_num_threads()
         self.kind = "LoadFollower"  # how follow_load() finds it among the shell's callbacks, whatever module made it
-        self._asked = time.monotonic()
+        self._asked, self.window = time.monotonic(), window
+        self._spans: list[tuple[float, float]] = []  # (seconds, CPU-seconds of other processes), newest last
         self.changes: list[tuple[int, float, int]] = []
         self.stopped = False
 
@@ -177,7 +178,7 @@ class LoadFollower:
                 error=first_line(error), threads=self._torch.get_num_threads()), file=sys.stderr)
 
     def update(self) -> None:
-        """Decide now (what happens before each cell), from the CPU use since the last decision."""
+        """Decide now (what happens before each cell), from the other processes' CPU use over the last window."""
         if self.stopped:
             return
         if self._torch.get_num_threads() != self.current:  # the learner chose a count: theirs from now on
@@ -186,7 +187,17 @@ class LoadFollower:
         now = time.monotonic()
         if now - self._asked < self.span:
             return
-        use, self._asked = _since(self._source), now
+        use, elapsed, self._asked = _since(self._source), now - self._asked, now
+        self._spans.append((elapsed, use.others * elapsed))
+        while len(self._spans) > 1 and sum(t for t, _o in self._spans[1:]) >= self.window:
+            self._spans.pop(0)  # what is left still covers the window
+        others, left = 0.0, self.window  # the last `window` seconds, the oldest span cut to fit; before: quiet
+        for seconds, cpu_seconds in reversed(self._spans):
+            part = min(seconds, left)
+            if part > 0:
+                others += cpu_seconds * part / seconds
+            left -= part
+        use = CpuUse(mine=use.mine, others=others / self.window, cpus=use.cpus)
         wanted = self.decide(use)
         if wanted != self.current:
             self._torch.set_num_threads(wanted)
@@ -228,9 +239,9 @@ def _registered(shell) -> list:
     return found
 
 
-def follow_load(span: float = 0.5) -> None:
-    """In IPython or Jupyter: before each cell, torch's thread count follows the cores other processes left free
-    (a `LoadFollower`, which `following()` returns). Outside IPython it does nothing. Calling it again keeps the
+def follow_load(span: float = 0.5, window: float = 2.0) -> None:
+    """In IPython or Jupyter: before each cell, torch's thread count follows the cores other processes left free over
+    the last `window` seconds (a `LoadFollower`, which `following()` returns). Outside IPython it does nothing. Calling it again keeps the
     follower there is, or starts a new one if it had stopped."""
     global _follower
     shell = _shell()
@@ -240,7 +251,7 @@ def follow_load(span: float = 0.5) -> None:
     if running:  # one already follows (made by this module, or by it before a reload)
         _follower = running[0]
         return
-    _follower = LoadFollower(span)
+    _follower = LoadFollower(span, window)
     shell.events.register("pre_run_cell", _follower.before_cell)
 
 

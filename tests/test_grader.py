@@ -414,11 +414,12 @@ def test_the_unwrapped_solution_is_out_of_reach(graded):
 
 
 def test_a_hook_disguised_as_matplotlibs_is_flagged(graded):
-    # disguises_hook uses inline figures (matplotlib's own post_execute hook: kept) and registers a post_run_cell
-    # hook whose __module__ claims matplotlib_inline
+    # disguises_hook uses inline figures (matplotlib's own post_execute hook: kept) and the course's thread follower
+    # (removed, not reported), and registers a post_run_cell hook whose __module__ claims matplotlib_inline and a
+    # pre_run_cell hook of a subclass of the follower
     status, _, flags, _ = _status(graded, "disguises_hook", "01.1")
     assert status == "correct"
-    assert "installed IPython hooks (post_run_cell): removed before each" in flags
+    assert "installed IPython hooks (pre_run_cell, post_run_cell): removed before each" in flags
 
 
 def test_the_reference_solution_pasted_in_another_cell_is_flagged(tmp_path):

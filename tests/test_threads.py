@@ -87,11 +87,11 @@ torch.set_num_threads(2)
 shell, seen = InteractiveShell.instance(), {}
 for name, cell in [
     ("start", "import time, torch\\nfrom course_utils.threads import BusyCores, follow_load, following\\nfollow_load()"),
-    ("quiet", "time.sleep(1.0)"),
-    ("busy", "busy = BusyCores(1).__enter__()\\ntime.sleep(1.0)"),
-    ("during", "busy.__exit__()\\ntime.sleep(1.0)"),
-    ("back", "torch.set_num_threads(1)  # the learner's choice\\ntime.sleep(1.0)"),
-    ("kept", "time.sleep(1.0)"),
+    ("quiet", "time.sleep(2.0)"),
+    ("busy", "busy = BusyCores(1).__enter__()\\ntime.sleep(2.0)"),
+    ("during", "busy.__exit__()\\ntime.sleep(2.0)"),
+    ("back", "torch.set_num_threads(1)  # the learner's choice\\ntime.sleep(2.0)"),
+    ("kept", "time.sleep(2.0)"),
 ]:
     shell.run_cell(cell, store_history=True)  # as Jupyter runs a cell: it has an execution count
     seen[name] = torch.get_num_threads() if name != "back" else shell.user_ns["following"]().current
@@ -111,9 +111,9 @@ def test_in_a_real_ipython_shell_the_threads_follow_a_busy_core_and_then_the_lea
     seen = json.loads(out.stdout.strip().splitlines()[-1])
     # what a cell ran with is what the follower decided before it, from the cells before it
     assert seen["quiet"] == 2 and seen["busy"] == 2, seen  # nothing held a core yet
-    assert seen["during"] == 1, seen  # the cell after a second with one core held by another process
-    assert seen["back"] == 2, seen  # a quiet second later, both threads again (then the learner set 1)
-    assert seen["kept"] == 1, seen  # a quiet second after the learner's choice: still theirs
+    assert seen["during"] == 1, seen  # the cell after two seconds with one core held by another process
+    assert seen["back"] == 2, seen  # two quiet seconds later, both threads again (then the learner set 1)
+    assert seen["kept"] == 1, seen  # two quiet seconds after the learner's choice: still theirs
     assert [threads for _cell, _others, threads in seen["changes"]] == [1, 2], seen
     assert [cell for cell, _others, _threads in seen["changes"]] == [4, 5], seen  # the cells' execution counts
 
@@ -170,3 +170,40 @@ def test_the_follower_counts_its_workers_as_its_own_survives_a_reload_and_a_fail
     said = [line for line in (out.stdout + out.stderr).splitlines() if "no longer follows the load" in line]
     assert len(said) == 1 and "OSError" in said[0], out.stdout + out.stderr
     assert "Traceback" not in out.stdout + out.stderr, out.stdout + out.stderr
+
+
+def test_the_follower_decides_over_the_last_two_seconds_so_a_spike_changes_nothing():
+    from types import SimpleNamespace
+
+    from course_utils.threads import LoadFollower
+
+    class Host:  # what HostSource.sample() reads: the machine's busy share, this process's own none
+        others = 0.0
+
+        def sample(self):
+            return SimpleNamespace(cpu_percent=self.others / 2 * 100, cpu_count=2, kernel_cpu_percent=0.0)
+
+    class Torch:  # torch's thread count, without changing this test process's
+        n = 2
+
+        def get_num_threads(self):
+            return self.n
+
+        def set_num_threads(self, n):
+            self.n = n
+
+    follower = LoadFollower()
+    follower._source, follower._torch, follower.threads, follower.current = Host(), Torch(), 2, 2
+
+    def span(seconds, others):
+        follower._source.others = others
+        follower._asked = time.monotonic() - seconds  # as if `seconds` had passed since the last decision
+        follower.update()
+        return follower._torch.n
+
+    assert span(0.6, 0.9) == 2  # a kernel shutting down for half a second: 0.27 of a core over the window
+    assert span(2.0, 1.0) == 1  # another program on one core for two seconds
+    assert span(0.9, 0.0) == 1  # more than half of the window still busy: half a core counts
+    assert span(1.2, 0.0) == 2  # two quiet seconds
+    assert span(0.2, 1.0) == 2  # under `span` seconds since the last decision: no decision
+    assert [threads for _cell, _others, threads in follower.changes] == [1, 2]

@@ -118,6 +118,13 @@ def __course_grader_setup(private, target, exercises_dir, course_dir, workdir, s
         func = getattr(hook, "__func__", hook)  # a bound method: its function
         return any(func is r for r in real if r is not None)
 
+    def is_course_follower(hook):
+        """The thread follower every notebook's first cell starts (`course_utils.threads.follow_load`): removed like
+        any hook, as it would run before the checks, but not reported."""
+        follower = getattr(sys.modules.get("course_utils.threads"), "LoadFollower", None)
+        return (isinstance(follower, type) and type(getattr(hook, "__self__", None)) is follower
+                and getattr(hook, "__func__", None) is follower.__dict__.get("before_cell"))
+
     def reset_hooks():
         found = []
         if shell.events is not events:
@@ -126,7 +133,8 @@ def __course_grader_setup(private, target, exercises_dir, course_dir, workdir, s
         for name, cbs in list(events.callbacks.items()):
             added = [cb for cb in cbs if not any(cb is c for c in callbacks.get(name, []))]
             kept = [cb for cb in added if is_benign(cb)]
-            if len(kept) < len(added) or len(cbs) - len(added) != len(callbacks.get(name, [])):
+            removed = [cb for cb in added if not is_benign(cb) and not is_course_follower(cb)]
+            if removed or len(cbs) - len(added) != len(callbacks.get(name, [])):
                 found.append(name)
             cbs[:] = callbacks.get(name, []) + kept
         for name, (original, contents) in transformer_lists.items():
