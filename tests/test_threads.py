@@ -79,6 +79,14 @@ def test_the_follower_takes_one_thread_per_core_others_hold():
     assert follower.decide(CpuUse(mine=0.0, others=1.0, cpus=1.5)) == 1  # a CPU quota of 1.5
 
 
+def _skip_if_busy():
+    """The follower's quiet decisions need a quiet machine: skip (saying why) when other processes already hold
+    a good part of a core."""
+    use = cpu_use(1.0)
+    if use.others >= 0.3:
+        pytest.skip(f"other processes use {use.others:.1f} CPUs: the follower would rightly take fewer threads")
+
+
 _KERNEL = """
 import json
 from IPython.core.interactiveshell import InteractiveShell
@@ -106,6 +114,7 @@ def test_in_a_real_ipython_shell_the_threads_follow_a_busy_core_and_then_the_lea
     import subprocess
     import sys
 
+    _skip_if_busy()
     out = subprocess.run([sys.executable, "-c", _KERNEL], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     seen = json.loads(out.stdout.strip().splitlines()[-1])
@@ -161,6 +170,7 @@ def test_the_follower_counts_its_workers_as_its_own_survives_a_reload_and_a_fail
     import subprocess
     import sys
 
+    _skip_if_busy()
     out = subprocess.run([sys.executable, "-c", _EDGES], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     seen = json.loads(out.stdout.strip().splitlines()[-1])
