@@ -61,22 +61,25 @@ class CpuUse:
             mine=self.mine, others=self.others, cpus=self.cpus)
 
 
-def _since(source) -> CpuUse:
-    """CPU use since `source` (a `monitor.HostSource`) last sampled, or was made."""
+def _since(source) -> CpuUse | None:
+    """CPU use since `source` (a `monitor.HostSource`) last sampled, or was made; None if it could not be read (a
+    container's usage file unreadable)."""
     host = source.sample()
-    busy = (host.cpu_percent or 0.0) / 100 * host.cpu_count
+    if host.cpu_percent is None:
+        return None
+    busy = host.cpu_percent / 100 * host.cpu_count
     mine = (host.kernel_cpu_percent or 0.0) / 100 * host.cpu_count
     return CpuUse(mine=mine, others=max(0.0, busy - mine), cpus=host.cpu_count)
 
 
 def cpu_use(seconds: float = 0.5) -> CpuUse:
     """Measure for `seconds` (the call sleeps meanwhile) how busy the CPUs this process may use are, and how much of
-    that is this process's own (with its children)."""
+    that is this process's own (with its children); all zero if the CPU use could not be read."""
     from .monitor.host import HostSource
 
     source = HostSource()  # its baseline: now
     time.sleep(seconds)
-    return _since(source)
+    return _since(source) or CpuUse(mine=0.0, others=0.0, cpus=source.sample().cpu_count)
 
 
 def wait_policy() -> str:
@@ -172,6 +175,8 @@ class LoadFollower:
         """IPython's pre_run_cell event: never a traceback above the learner's cell."""
         try:
             self.update()
+        except KeyboardInterrupt:  # a Ctrl-C meant for the cell, landing in this millisecond: no decision this time
+            return
         except Exception as error:  # psutil or /proc failing: one line, once (no frame of a hook's is the
             self.stop()             # learner's), and the count stays as it is
             print(_("torch's thread count no longer follows the load ({error}); it stays at {threads}.").format(
@@ -188,6 +193,8 @@ class LoadFollower:
         if now - self._asked < self.span:
             return
         use, elapsed, self._asked = _since(self._source), now - self._asked, now
+        if use is None:  # nothing could be read: no decision, rather than one as if the machine were quiet
+            return
         self._spans.append((elapsed, use.others * elapsed))
         while len(self._spans) > 1 and sum(t for t, _o in self._spans[1:]) >= self.window:
             self._spans.pop(0)  # what is left still covers the window

@@ -9,7 +9,8 @@ grader's cells (buys_time), a forged private checker (forges_private), and a not
 work, the grader's folders, other kernels' connection files and the host's sockets, forks without end and leaves
 files in /tmp and /dev/shm (snoops); an error message with a lone surrogate (surrogate), a link in place of the
 kernel's log and malformed output messages (forges_log), SysV shared memory and message queues left behind
-(leaves_ipc), the unwrapped solution() (unwraps_solution) and a hook disguised as matplotlib's (disguises_hook);
+(leaves_ipc), the unwrapped solution() (unwraps_solution), a hook disguised as matplotlib's (disguises_hook),
+hooks dressed as the course's thread follower (dresses_as_follower) and a hook table that hides entries (hides_hooks);
 verdicts forged in the kernel: torch's comparisons patched (patches_torch), a framed "correct" line printed from the
 answer in place of the grader's own (forges_result), a record that is a pickle running a command (forges_record);
 names that collide (`alice.ipynb`, `alice .ipynb`) and a file name that is not UTF-8 are added by _prepare. One
@@ -534,3 +535,18 @@ def test_every_part_of_a_kernel_message_counts_against_the_output_cap():
     for part in ("header", "parent_header", "metadata", "content"):
         assert _message_size({part: {"pad": "x" * 10_000}}) >= 10_000, part
     assert _message_size({"buffers": [b"x" * 10_000]}) >= 10_000
+
+
+def test_hooks_dressed_as_the_course_follower_are_flagged(graded):
+    # dresses_as_follower registers a real LoadFollower whose update() is its own, and the follower's method bound
+    # in post_run_cell; the course's own follower (started in solved notebooks) is the only one not reported
+    status, _, flags, _ = _status(graded, "dresses_as_follower", "01.1")
+    assert status == "correct"
+    assert "installed IPython hooks (pre_run_cell, post_run_cell): removed before each" in flags
+
+
+def test_a_hook_table_that_hides_entries_is_flagged(graded):
+    status, _, flags, _ = _status(graded, "hides_hooks", "01.1")
+    assert status == "correct"
+    # the table is put back as it was before the learner's first cell, its hidden pre_run_cell hook gone with it
+    assert "installed IPython hooks (IPython's event manager): removed before each" in flags

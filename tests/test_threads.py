@@ -217,3 +217,40 @@ def test_the_follower_decides_over_the_last_two_seconds_so_a_spike_changes_nothi
     assert span(1.2, 0.0) == 2  # two quiet seconds
     assert span(0.2, 1.0) == 2  # under `span` seconds since the last decision: no decision
     assert [threads for _cell, _others, threads in follower.changes] == [1, 2]
+
+
+def test_the_follower_makes_no_decision_from_a_reading_it_could_not_take():
+    from types import SimpleNamespace
+
+    from course_utils.threads import LoadFollower
+
+    class Host:
+        percent, interrupt = 100.0, False
+
+        def sample(self):
+            if self.interrupt:
+                raise KeyboardInterrupt  # a Ctrl-C for the cell, landing in the hook
+            return SimpleNamespace(cpu_percent=self.percent, cpu_count=2, kernel_cpu_percent=0.0)
+
+    class Torch:
+        n = 2
+
+        def get_num_threads(self):
+            return self.n
+
+        def set_num_threads(self, n):
+            self.n = n
+
+    follower = LoadFollower()
+    follower._source, follower._torch, follower.threads, follower.current = Host(), Torch(), 2, 2
+    follower._asked = time.monotonic() - 3
+    follower.before_cell()
+    assert follower._torch.n == 1  # both cores busy with others' work
+    follower._source.percent = None  # a container's usage file unreadable: not a quiet machine, no reading at all
+    follower._asked = time.monotonic() - 3
+    follower.before_cell()
+    assert follower._torch.n == 1 and not follower.stopped
+    follower._source.interrupt = True
+    follower._asked = time.monotonic() - 3
+    follower.before_cell()  # nothing raised, nothing printed: the decision is skipped
+    assert follower._torch.n == 1 and not follower.stopped
