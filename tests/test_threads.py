@@ -254,3 +254,19 @@ def test_the_follower_makes_no_decision_from_a_reading_it_could_not_take():
     follower._asked = time.monotonic() - 3
     follower.before_cell()  # nothing raised, nothing printed: the decision is skipped
     assert follower._torch.n == 1 and not follower.stopped
+
+
+def test_children_that_ended_stay_this_processs_own():
+    """A DataLoader epoch's workers end before the next reading: their CPU time is this process's, not another
+    program's (what the follower and the monitor tell apart). Counted in CPU-seconds, so other load does not matter."""
+    import subprocess
+    import sys
+
+    from course_utils.monitor.host import HostSource
+
+    source, start = HostSource(), time.monotonic()
+    subprocess.run([sys.executable, "-c", "import time\nt = time.process_time()\n"
+                    "while time.process_time() - t < 0.5:\n    pass"], check=True, timeout=60)
+    host, wall = source.sample(), time.monotonic() - start
+    mine = host.kernel_cpu_percent / 100 * host.cpu_count * wall
+    assert mine > 0.45, f"the ended child's 0.5 CPU-seconds counted as {mine:.2f}"
