@@ -248,8 +248,8 @@ def _registered(shell) -> list:
 
 def follow_load(span: float = 0.5, window: float = 2.0) -> None:
     """In IPython or Jupyter: before each cell, torch's thread count follows the cores other processes left free over
-    the last `window` seconds (a `LoadFollower`, which `following()` returns). Outside IPython it does nothing. Calling it again keeps the
-    follower there is, or starts a new one if it had stopped."""
+    the last `window` seconds (a `LoadFollower`, which `following()` returns). Outside IPython it does nothing.
+    Calling it again keeps the follower there is, or starts a new one if it had stopped."""
     global _follower
     shell = _shell()
     if shell is None:

@@ -109,15 +109,21 @@ print(json.dumps(seen))
 
 
 @pytest.mark.skipif(len(psutil.Process().cpu_affinity() or [0]) < 2, reason="needs two cores")
-def test_in_a_real_ipython_shell_the_threads_follow_a_busy_core_and_then_the_learner():
+def _in_a_shell(script: str):
+    """Run `script` (it drives a real IPython shell, then prints a JSON line) in a fresh process, on a quiet machine:
+    the process's output, and what it printed last."""
     import json
     import subprocess
     import sys
 
     _skip_if_busy()
-    out = subprocess.run([sys.executable, "-c", _KERNEL], capture_output=True, text=True, timeout=120)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
-    seen = json.loads(out.stdout.strip().splitlines()[-1])
+    return out, json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_in_a_real_ipython_shell_the_threads_follow_a_busy_core_and_then_the_learner():
+    _out, seen = _in_a_shell(_KERNEL)
     # what a cell ran with is what the follower decided before it, from the cells before it
     assert seen["quiet"] == 2 and seen["busy"] == 2, seen  # nothing held a core yet
     assert seen["during"] == 1, seen  # the cell after two seconds with one core held by another process
@@ -166,14 +172,7 @@ print(json.dumps(seen))
 
 @pytest.mark.skipif(len(psutil.Process().cpu_affinity() or [0]) < 2, reason="needs two cores")
 def test_the_follower_counts_its_workers_as_its_own_survives_a_reload_and_a_failed_reading():
-    import json
-    import subprocess
-    import sys
-
-    _skip_if_busy()
-    out = subprocess.run([sys.executable, "-c", _EDGES], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr[-2000:]
-    seen = json.loads(out.stdout.strip().splitlines()[-1])
+    out, seen = _in_a_shell(_EDGES)
     assert seen["after_workers"] == 2 and seen["changes"] == [], seen  # the workers' 2 CPU-seconds were ours
     assert seen["callbacks"] == 1 and seen["found_again"], seen
     assert seen["stopped"], seen
@@ -182,28 +181,41 @@ def test_the_follower_counts_its_workers_as_its_own_survives_a_reload_and_a_fail
     assert "Traceback" not in out.stdout + out.stderr, out.stdout + out.stderr
 
 
-def test_the_follower_decides_over_the_last_two_seconds_so_a_spike_changes_nothing():
-    from types import SimpleNamespace
+class _Host:
+    """What `HostSource.sample()` gives the follower: the machine's busy share (from `others`, on 2 CPUs), this
+    process's own none; None when unreadable; a Ctrl-C landing in the reading when `interrupt`."""
+    others, interrupt, unreadable = 0.0, False, False
 
+    def sample(self):
+        from types import SimpleNamespace
+
+        if self.interrupt:
+            raise KeyboardInterrupt
+        percent = None if self.unreadable else self.others / 2 * 100
+        return SimpleNamespace(cpu_percent=percent, cpu_count=2, kernel_cpu_percent=0.0)
+
+
+class _Torch:
+    """torch's thread count, without changing this test process's."""
+    n = 2
+
+    def get_num_threads(self):
+        return self.n
+
+    def set_num_threads(self, n):
+        self.n = n
+
+
+def _fake_follower():
     from course_utils.threads import LoadFollower
 
-    class Host:  # what HostSource.sample() reads: the machine's busy share, this process's own none
-        others = 0.0
-
-        def sample(self):
-            return SimpleNamespace(cpu_percent=self.others / 2 * 100, cpu_count=2, kernel_cpu_percent=0.0)
-
-    class Torch:  # torch's thread count, without changing this test process's
-        n = 2
-
-        def get_num_threads(self):
-            return self.n
-
-        def set_num_threads(self, n):
-            self.n = n
-
     follower = LoadFollower()
-    follower._source, follower._torch, follower.threads, follower.current = Host(), Torch(), 2, 2
+    follower._source, follower._torch, follower.threads, follower.current = _Host(), _Torch(), 2, 2
+    return follower
+
+
+def test_the_follower_decides_over_the_last_two_seconds_so_a_spike_changes_nothing():
+    follower = _fake_follower()
 
     def span(seconds, others):
         follower._source.others = others
@@ -220,33 +232,12 @@ def test_the_follower_decides_over_the_last_two_seconds_so_a_spike_changes_nothi
 
 
 def test_the_follower_makes_no_decision_from_a_reading_it_could_not_take():
-    from types import SimpleNamespace
-
-    from course_utils.threads import LoadFollower
-
-    class Host:
-        percent, interrupt = 100.0, False
-
-        def sample(self):
-            if self.interrupt:
-                raise KeyboardInterrupt  # a Ctrl-C for the cell, landing in the hook
-            return SimpleNamespace(cpu_percent=self.percent, cpu_count=2, kernel_cpu_percent=0.0)
-
-    class Torch:
-        n = 2
-
-        def get_num_threads(self):
-            return self.n
-
-        def set_num_threads(self, n):
-            self.n = n
-
-    follower = LoadFollower()
-    follower._source, follower._torch, follower.threads, follower.current = Host(), Torch(), 2, 2
+    follower = _fake_follower()
+    follower._source.others = 2.0
     follower._asked = time.monotonic() - 3
     follower.before_cell()
     assert follower._torch.n == 1  # both cores busy with others' work
-    follower._source.percent = None  # a container's usage file unreadable: not a quiet machine, no reading at all
+    follower._source.unreadable = True  # a container's usage file unreadable: not a quiet machine, no reading at all
     follower._asked = time.monotonic() - 3
     follower.before_cell()
     assert follower._torch.n == 1 and not follower.stopped

@@ -125,8 +125,7 @@ def __course_grader_setup(private, target, exercises_dir, course_dir, workdir, s
     import torch
     follower_cls, follower_methods = threads.LoadFollower, dict(vars(threads.LoadFollower))
     follower_code = {k: getattr(v, "__code__", None) for k, v in follower_methods.items()}
-    follower_fields = {"_torch", "_source", "span", "threads", "current", "kind", "_asked", "window", "_spans",
-                       "changes", "stopped"}
+    follower_fields = set(vars(follower_cls()))  # the attributes a follower has (one made here, not registered)
 
     def is_course_follower(hook, event):
         """The course's follower, unaltered, in pre_run_cell: removed like any hook (it would run before the
