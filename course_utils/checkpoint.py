@@ -33,7 +33,7 @@ from .errors import first_line
 from .i18n import _
 from .rng import rng_state, set_rng_state
 
-FORMAT = "course_utils.Trainer/3"  # /3: every rank's random and loader state
+FORMAT = "course_utils.Trainer/4"  # /3: every rank's random and loader state; /4: an epoch position keeps its batch losses
 
 
 class CheckpointError(RuntimeError):
@@ -156,8 +156,7 @@ def _rank_state(trainer) -> dict:
     """What differs between ranks: the random generators, the loader's position, where the epoch stopped."""
     position, loader = trainer.position, trainer.loader_state
     if position is None and trainer.at_step_boundary:  # saving while training: here, inside the epoch
-        position = trainer.tally.position(trainer.batch_in_epoch,
-                                          loader.state_dict(trainer.batch_in_epoch, trainer.tally.pass_over))
+        position = trainer.tally.position(loader.state_dict(trainer.batch_in_epoch, trainer.tally.pass_over))
     return {"rng": rng_state(), "loader": position.loader if position is not None else loader.state_dict(),
             "position": position.to_dict() if position is not None else None}
 
@@ -217,10 +216,10 @@ def _refuse_non_finite(trainer, path: Path) -> None:
     tensors = [t for t in trainer.model.state_dict().values() if t.is_floating_point()]
     weights_ok = bool(torch.stack([t.isfinite().all() for t in tensors]).all()) if tensors else True
     if trainer.position is not None:
-        loss_ok = math.isfinite(trainer.position.loss_sum)
-    else:  # between epochs, or a periodic save while training (the running sum: read once per save)
+        loss_ok = all(map(math.isfinite, trainer.position.losses))
+    else:  # between epochs, or a periodic save while training (the epoch's losses: read once per save)
         loss_ok = not trainer.at_step_boundary or trainer.precision.scaler is not None \
-            or math.isfinite(trainer.tally.loss_sum.item())
+            or all(map(math.isfinite, trainer.tally.values()))
     if not trainer.process.agree(not (weights_ok and loss_ok)):  # every rank saves, or none (a round trip)
         return
     what = _("the weights") if not weights_ok else _("the loss of the interrupted epoch")

@@ -81,11 +81,12 @@ class Process:
     def all_sum(self, values: torch.Tensor) -> torch.Tensor:
         return all_sum(values, self)
 
-    def mean(self, total: torch.Tensor, count: int) -> float:
-        """The mean over all ranks of what this rank summed in `total` over `count` samples (a sync point):
-        added in float64, so the figure does not depend on how the samples were split across ranks."""
-        sums = torch.stack([total.double(), torch.tensor(float(count), dtype=torch.float64, device=total.device)])
-        total, count = all_sum(sums, self).tolist()
+    def mean(self, total: float, count: int) -> float:
+        """The mean over all ranks of what this rank summed in `total` over `count` samples: added in float64 on
+        the CPU (a round trip), the same on every rank."""
+        sums = torch.tensor([total, float(count)], dtype=torch.float64)
+        dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=self.cpu_group)
+        total, count = sums.tolist()
         return total / count
 
     def agree(self, flag: bool) -> bool:
@@ -135,9 +136,8 @@ class OneProcess:
     def all_sum(self, values: torch.Tensor) -> torch.Tensor:
         return values
 
-    def mean(self, total: torch.Tensor, count: int) -> float:
-        """`total / count`, read once (a sync point), in the dtype of `total`."""
-        return (total / count).item()
+    def mean(self, total: float, count: int) -> float:
+        return total / count
 
     def agree(self, flag: bool) -> bool:
         return flag

@@ -1,8 +1,9 @@
 """Where training stands inside an epoch, and what its losses say.
 
-- `EpochTally(device, position)`: this rank's running figures of the current epoch. The loss sum stays on the
-  device (no CPU-GPU sync per step); each batch's loss is kept as a device tensor, read only when something must
-  be named (the first non-finite one).
+- `EpochTally(position, weighted)`: this rank's record of the current epoch, one entry per trained batch: its
+  loss (a device tensor, never read per step: no CPU-GPU sync, and no device work either) and its samples.
+  At the epoch's end the losses are read once (`values()`) and added up exactly (`total`): the mean does not
+  depend on the order, the thread count or where the epoch was interrupted.
 - `EpochPosition`: where an interrupted epoch stopped, as a small dataclass (stored as a dict of plain values).
 - `NonFiniteLossError` and `non_finite_error(...)`: an inf or nan loss, named by its epoch, batch and rank.
 
@@ -11,6 +12,7 @@ Importing this module touches no device.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import torch
@@ -26,11 +28,15 @@ class NonFiniteLossError(FloatingPointError):
 @dataclasses.dataclass
 class EpochPosition:
     """Where an interrupted epoch stopped: enough to finish it exactly as the uninterrupted run would."""
-    batches_done: int        # batches of this epoch already trained on
-    samples_done: int        # their samples
-    loss_sum: float          # sum over those samples of their loss (for the epoch's mean)
+    losses: list[float]      # the loss of each batch of this epoch trained on so far, in order
+    sizes: list[int]         # their samples
     rng: dict[str, Any]      # the generators when it stopped (`rng_state()`)
     loader: dict[str, Any]   # how to put the loader back there (`course_utils.loader_state.LoaderState`)
+
+    @property
+    def batches_done(self) -> int:
+        """Batches of this epoch already trained on."""
+        return len(self.losses)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -40,33 +46,61 @@ class EpochPosition:
         names = {f.name for f in dataclasses.fields(cls)}
         if not isinstance(d, dict) or set(d) != names:
             raise ValueError(_("an epoch position has the entries {names}").format(names=sorted(names)))
+        losses, sizes = d["losses"], d["sizes"]
+        if not (isinstance(losses, list) and isinstance(sizes, list) and len(losses) == len(sizes)
+                and all(type(x) is float for x in losses) and all(type(n) is int and n >= 0 for n in sizes)):
+            raise ValueError(_("an epoch position's losses and sizes are two lists of the same length, of floats "
+                               "and of sample counts"))
         return cls(**d)
 
 
 class EpochTally:
-    """The running figures of one epoch on this rank, from its start or from where `position` stopped."""
+    """One entry per batch of the current epoch trained on this rank, from its start or from where `position`
+    stopped: `losses` (device tensors, kept as they are) and `sizes` (samples). The Trainer appends to both
+    after every step. `weighted`: the losses are batch means (each counts by its samples); False: sums."""
 
-    def __init__(self, device: torch.device, position: EpochPosition | None = None):
-        # the sum over samples of their loss: on the device, added to without a sync (float32, as the loss)
-        self.loss_sum = torch.tensor(position.loss_sum if position is not None else 0.0, device=device)
-        self.samples = position.samples_done if position is not None else 0
-        self.first_batch = position.batches_done if position is not None else 0  # the batch losses[0] belongs to
-        self.losses: list[torch.Tensor] = []  # each batch's loss (device tensors: kept, never read per step)
+    def __init__(self, position: EpochPosition | None = None, weighted: bool = True):
+        self.done: list[float] = list(position.losses) if position is not None else []  # read before a stop
+        self.losses: list[torch.Tensor] = []  # this pass's batch losses: device tensors, read at the end
+        self.sizes: list[int] = list(position.sizes) if position is not None else []  # every batch's samples
+        self.weighted = weighted
         self.pass_over = False  # the loader's pass is over (a save now must say so)
 
-    def position(self, batches_done: int, loader: dict[str, Any]) -> EpochPosition:
-        """Where the epoch stands now, to continue it exactly (reads the loss sum: a CPU-GPU sync point)."""
-        return EpochPosition(batches_done, self.samples, self.loss_sum.item(), rng_state(), loader)
+    @property
+    def batches(self) -> int:
+        """Batches of the epoch trained on (before a stop, and since)."""
+        return len(self.done) + len(self.losses)
+
+    @property
+    def samples(self) -> int:
+        return sum(self.sizes)
+
+    def values(self) -> list[float]:
+        """Every batch's loss as a float, in order (reads the device tensors: a CPU-GPU sync point)."""
+        if not self.losses:
+            return list(self.done)
+        return self.done + torch.stack(self.losses).reshape(-1).float().tolist()
+
+    def total(self, values: list[float]) -> float:
+        """The sum over the epoch's samples of their loss, from `values()`: correctly rounded (`math.fsum`), so
+        the same for any order or split of the batches; inf or nan if a loss is."""
+        terms = [v * n for v, n in zip(values, self.sizes)] if self.weighted else values
+        if not all(map(math.isfinite, terms)):
+            return sum(terms)
+        return math.fsum(terms)
+
+    def position(self, loader: dict[str, Any]) -> EpochPosition:
+        """Where the epoch stands now, to continue it exactly (reads the losses: a CPU-GPU sync point)."""
+        values = self.values()
+        n = min(len(values), len(self.sizes))  # equal, unless a second Ctrl-C landed between the two appends
+        return EpochPosition(values[:n], self.sizes[:n], rng_state(), loader)
 
     def first_bad(self) -> tuple[int, float] | None:
         """(batch number in the epoch, counted from 1, and its loss) of the first non-finite loss, or None."""
-        if not self.losses:
-            return None
-        finite = torch.stack([x.float() for x in self.losses]).isfinite()
-        if finite.all():
-            return None
-        index = int((~finite).nonzero()[0])
-        return self.first_batch + index + 1, float(self.losses[index])
+        for i, value in enumerate(self.values()):
+            if not math.isfinite(value):
+                return i + 1, value
+        return None
 
 
 def non_finite_error(tally: EpochTally, process, epoch: int, batch: int, value: float) -> NonFiniteLossError:

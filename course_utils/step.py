@@ -143,6 +143,17 @@ def check_optimizer_holds(model: nn.Module, optimizer: torch.optim.Optimizer) ->
                            "(a subset, for fine-tuning, is fine)").format(foreign=len(foreign), total=len(params)))
 
 
+def raised_in_optimizer_step(error: BaseException) -> bool:
+    """Whether `error` was raised in a `TrainStep`'s update (unscale, clip, hook, optimizer step) rather than in
+    its forward or backward pass: read from the error's traceback, so the step keeps no flag up to date."""
+    tb = error.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code is TrainStep._update.__code__:
+            return True
+        tb = tb.tb_next
+    return False
+
+
 def _autocast_loss(step: "TrainStep", inputs, targets) -> torch.Tensor:
     """Forward and loss of one chunk under the precision's autocast."""
     with step.precision.autocast():
@@ -196,7 +207,6 @@ class TrainStep:
         self.precision = precision  # (a property: its setter chooses how the loss is computed)
         self.reduction = reduction
         self.grad_norm: torch.Tensor | None = None
-        self.in_optimizer_step = False  # True while unscale/clip/step run: an error there is not the forward's
         self._grad_clip = grad_clip
         self.connect()
 
@@ -239,26 +249,30 @@ class TrainStep:
 
         `chunk_size`: run every batch in chunks of at most that many samples (None: whole batches).
         """
-        self.in_optimizer_step = False
-        precision = self._precision
         self.optimizer.zero_grad(set_to_none=True)
         if chunk_size is None and len(batches) == 1:  # the usual step: one whole batch, nothing to weigh
-            loss = self._forward_loss(self, *batches[0])
-            precision.backward(loss)
+            inputs, targets = batches[0]
+            loss = self._forward_loss(self, inputs, targets)
+            self._precision.backward(loss)
             losses = [loss.detach()]
         else:
             losses = self._weighted(batches, chunk_size)
         for fn in self._after_backward:
             fn()
-        self.in_optimizer_step = True
-        precision.unscale_(self.optimizer)  # fp16: gradients back in true units; otherwise nothing
+        self._update()
+        return losses
+
+    def _update(self) -> None:
+        """The update, once the gradients are in: unscale (a no-op but under float16 scaling), clip and the hook
+        (each only if there is one), then the optimizer step. An error raised in here is the optimizer step's,
+        not the forward's (`raised_in_optimizer_step`)."""
+        precision, optimizer = self._precision, self.optimizer
+        precision.unscale_(optimizer)  # fp16: gradients back in true units; otherwise nothing
         for clip in self._clips:  # clipping, then the hook (a plain step: neither)
             clip(self)
         for fn in self._before_step:
             fn()
-        precision.step(self.optimizer)
-        self.in_optimizer_step = False
-        return losses
+        precision.step(optimizer)
 
     def _weighted(self, batches: Sequence[Batch], chunk_size: int | None) -> list[torch.Tensor]:
         """Backward of every chunk of every batch, each weighted by its share of all the samples."""

@@ -148,7 +148,7 @@ class Trainer:
         self.batches_trained = 0     # batches trained on, over all epochs
         self.optimizer_steps = 0     # optimizer steps taken (one per `accumulate` batches)
         self.batch_in_epoch = 0      # batches of the current epoch trained on
-        self.tally = EpochTally(self.device)  # the current epoch's running loss sum and samples
+        self.tally = EpochTally()    # the current epoch's batch losses and sizes
         self.position = None         # an `epoch.EpochPosition`: where an interrupted epoch stopped
         self.at_step_boundary = False  # True in on_batch_end of a step's last batch: a consistent point to save
         self.interrupted = False
@@ -248,7 +248,7 @@ class Trainer:
                     losses.append(mean_loss)
                     self.epoch += 1
                     self.batch_in_epoch = 0
-                    self.tally.losses = []  # the epoch's batch losses are not needed any more
+                    self.tally = EpochTally()  # the epoch's batch losses are not needed any more
                     if self._stop_between_epochs(hooks["on_epoch_end"], logs):
                         if self.stop_reason is None:  # a Ctrl-C or SIGTERM during the epoch's end
                             self._stopped_early(between_epochs=True)
@@ -278,73 +278,75 @@ class Trainer:
         position, self.position = self.position, None
         if position is not None:
             set_rng_state(position.rng)
-        self.tally = EpochTally(self.device, position)
-        self.batch_in_epoch = position.batches_done if position is not None else 0
+        self.tally = EpochTally(position, weighted=self.train_step.reduction == "mean")
+        self.batch_in_epoch = self.tally.batches
+        device, batch_fn, accumulate, vote = self.device, self.batch_fn, self.accumulate, self._vote
+        batch_start, after_step, batch_end = (hooks[k] for k in ("on_batch_start", "on_after_optimizer_step",
+                                                                  "on_batch_end"))
+        group = []  # the step's batches: one optimizer step every `accumulate` of them
         try:
-            for group in self._groups(batches, hooks["on_batch_start"]):  # one step's batches
-                self._step(group, hooks["on_after_optimizer_step"], hooks["on_batch_end"])
-                wish = self._vote(interrupt.wish)  # another rank's wish arrives a few steps later
-                if wish != GO_ON:  # (after the last, smaller group the loader's pass is over)
-                    return self._stop_inside_epoch(wish, finished=self.tally.pass_over)
+            for batch in batches:  # no batch is drawn beyond the step being trained: a stop leaves none untrained
+                batch = pair_on(batch, device, batch_fn)  # (inputs, targets) on the device
+                for fn in batch_start:
+                    self._call(fn, batch)
+                group.append(batch)
+                if len(group) < accumulate:
+                    continue
+                self._train(group, after_step, batch_end)
+                group = []
+                wish = vote(interrupt.wish)  # another rank's wish arrives a few steps later
+                if wish != GO_ON:
+                    return self._stop_inside_epoch(wish)
+            self.tally.pass_over = True  # the loader's pass is over (a periodic save now must say so)
+            if group:  # the last, smaller group of the epoch
+                self._train(group, after_step, batch_end)
         except KeyboardInterrupt:  # a second Ctrl-C, anywhere (maybe inside a step): that step is dropped
             return self._stop_inside_epoch(INTERRUPT)
-        wish = self._vote.settle(interrupt.wish)  # epoch end: every rank's last wishes
+        wish = vote.settle(interrupt.wish)  # epoch end: every rank's last wishes
         if wish != GO_ON:
             return self._stop_inside_epoch(wish, finished=True)
         if self.tally.samples == 0:
             raise ValueError(_("train_loader produced no batches"))
-        mean = self.process.mean(self.tally.loss_sum, self.tally.samples)  # the one CPU-GPU sync point of the epoch
+        values = self.tally.values()  # the one CPU-GPU sync point of the epoch: every batch's loss, read at once
+        mean = self.process.mean(self.tally.total(values), self.tally.samples)
         if not math.isfinite(mean) and self.precision.scaler is None:
             raise non_finite_error(self.tally, self.process, self.epoch + 1, self.batch_in_epoch, mean)
         return mean
 
-    def _groups(self, batches, batch_start):
-        """The epoch's batches as (inputs, targets) on the device, in groups of `accumulate` (one optimizer step
-        each; the last group may be smaller), each batch shown to the on_batch_start hooks as it is drawn. No batch
-        is drawn beyond the group being trained, so a stop between groups leaves nothing drawn and untrained."""
-        group, device, batch_fn, accumulate = [], self.device, self.batch_fn, self.accumulate
-        for batch in batches:
-            batch = pair_on(batch, device, batch_fn)
-            for fn in batch_start:
-                self._call(fn, batch)
-            group.append(batch)
-            if len(group) == accumulate:
-                yield group
-                group = []
-        self.tally.pass_over = True  # the loader's pass is over (a periodic save now must say so)
-        if group:  # the last, smaller group of the epoch
-            yield group
-
-    def _step(self, group, after_step, batch_end) -> None:
+    def _train(self, group, after_step, batch_end) -> None:
+        """One optimizer step on `group`; each of its batches is then counted and shown to on_batch_end."""
         losses = self.step.group(group)
         self.optimizer_steps += 1
         for fn in after_step:
             self._call(fn)
         tally, last = self.tally, len(group) - 1
-        for i, ((_inputs, targets), loss) in enumerate(zip(group, losses)):
-            n = batch_len(targets)
-            tally.loss_sum.add_(loss, alpha=n if self.train_step.reduction == "mean" else 1)  # sum += n * loss
-            tally.losses.append(loss)
-            tally.samples += n
+        for i, loss in enumerate(losses):
+            tally.losses.append(loss)  # kept on the device: read at the epoch's end, not now
+            tally.sizes.append(batch_len(group[i][1]))
             self.batch_in_epoch += 1
             self.batches_trained += 1
-            self.at_step_boundary = i == last  # the group's last batch: all of the step is counted
-            try:
-                for fn in batch_end:
-                    self._call(fn, loss)
-            finally:
-                self.at_step_boundary = False
+            if batch_end:
+                self._batch_end(batch_end, loss, i == last)
+
+    def _batch_end(self, fns: list, loss, step_done: bool) -> None:
+        self.at_step_boundary = step_done  # the group's last batch: all of the step is counted
+        try:
+            for fn in fns:
+                self._call(fn, loss)
+        finally:
+            self.at_step_boundary = False
 
     def _stop_inside_epoch(self, wish: int, finished: bool = False) -> None:
         """Stop between two steps of this epoch (every rank at the same one) and keep the position. `finished`:
         after the epoch's last step, before it is closed (its mean, validation and epoch-end hooks run on resume)."""
         self.optimizer.zero_grad(set_to_none=True)
         self._vote.settle()  # nothing left in flight
-        self.position = self.tally.position(self.batch_in_epoch,  # CPU-GPU sync point here (a stop is rare)
-                                            self.loader_state.state_dict(self.batch_in_epoch, finished))
-        bad = not math.isfinite(self.position.loss_sum) and self.precision.scaler is None
+        self.position = self.tally.position(  # CPU-GPU sync point here (a stop is rare)
+            self.loader_state.state_dict(self.batch_in_epoch, finished))
+        value = self.tally.total(self.position.losses)
+        bad = not math.isfinite(value) and self.precision.scaler is None
         if self.process.agree(bad):  # every rank is here: decide together
-            value, self.position = self.position.loss_sum, None
+            self.position = None
             raise non_finite_error(self.tally, self.process, self.epoch + 1, self.batch_in_epoch, value)
         if wish == STOP:
             self.stop_reason = self._agreed_reason()

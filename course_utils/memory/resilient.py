@@ -10,7 +10,7 @@ from torch import nn
 
 from ..amp import MixedPrecision
 from ..i18n import _
-from ..step import Batch, TrainStep, batch_len, optimizer_params
+from ..step import Batch, TrainStep, batch_len, optimizer_params, raised_in_optimizer_step
 from ..errors import first_line
 from .oom import free_memory, is_oom_error
 from .sizes import format_bytes
@@ -139,15 +139,13 @@ class ResilientStep:
 
     def group(self, batches: list[Batch]) -> list[torch.Tensor]:
         """One optimizer step over `batches`, in chunks small enough to fit; each batch's mean loss."""
-        largest = max(batch_len(y) for _x, y in batches)
-        if largest == 0:
-            raise ValueError(_("empty batch"))
         first_step = not self.optimizer.state  # Adam & co. create their state on their first step
         if self._buffers is None:
             self._buffers = _BufferGuard(self.model)
         while True:
-            chunk = self.micro_batch_size if self.micro_batch_size is not None and self.micro_batch_size < largest \
-                else None
+            chunk = self.micro_batch_size  # None: whole batches
+            if chunk is not None and chunk >= max(batch_len(y) for _x, y in batches):
+                chunk = None  # its chunks would be whole batches
             self._buffers.save()  # what the forward may change (BatchNorm statistics)
             failure = None
             try:
@@ -155,7 +153,7 @@ class ResilientStep:
             except Exception as exc:
                 if not is_oom_error(exc):
                     raise
-                if self.step.in_optimizer_step:
+                if raised_in_optimizer_step(exc):
                     raise ResilientStepOutOfMemoryError(self._step_oom_message(first_step), first_line(exc),
                                                         first_step) from None
                 if hasattr(self.step.model, "no_sync"):  # DistributedDataParallel: the ranks must agree
@@ -167,7 +165,8 @@ class ResilientStep:
                         first_line(exc)) from None
                 failure = first_line(exc)  # keep text only: the exception holds the tensors
             if failure is None:
-                self._clean_step(chunk)
+                if chunk is not None:
+                    self._clean_step()
                 return losses
             # Outside the except block: the exception and its traceback are gone, and with them the
             # failed attempt's activations. Now freeing memory can actually free it.
@@ -178,8 +177,9 @@ class ResilientStep:
                 reset(self.optimizer)
             self._buffers.restore()
             free_memory()
+            largest = max(batch_len(y) for _x, y in batches)
             current = chunk if chunk is not None else largest
-            if current == 1:
+            if current <= 1:
                 raise ResilientStepOutOfMemoryError(_(
                     "out of memory even with micro-batches of 1 sample: the model, its gradients and "
                     "optimizer state plus one sample's activations do not fit. Try mixed precision, "
@@ -187,11 +187,10 @@ class ResilientStep:
             self.micro_batch_size = (current + 1) // 2
             self.clean_steps = 0
 
-    def _clean_step(self, chunk: int | None) -> None:
-        if chunk is None:
-            return
+    def _clean_step(self) -> None:
+        """A step that fit in chunks: after `regrow_after` of them in a row, try whole batches again."""
         self.clean_steps += 1
-        if self.clean_steps >= self.regrow_after:  # try whole batches again
+        if self.clean_steps >= self.regrow_after:
             self.micro_batch_size, self.clean_steps = None, 0
 
     def _step_oom_message(self, first_step: bool) -> str:
