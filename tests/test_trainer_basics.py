@@ -52,6 +52,37 @@ def test_trainer_matches_a_hand_written_loop_exactly():
         assert torch.equal(p, q)
 
 
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_an_epochs_loss_is_the_exactly_rounded_mean_of_its_batch_losses(reduction):
+    """The epoch's figure is the sum over its samples of their loss, added exactly and rounded once, over the
+    samples: checked bit for bit against exact rational arithmetic (fractions) on the hand loop's batch losses, with
+    an uneven last batch (sizes 7, 7, 7, 3) and both loss reductions."""
+    from fractions import Fraction
+
+    torch.manual_seed(1)
+    x, y = torch.randn(24, 5) * 3, torch.randint(0, 4, (24,))
+    model = nn.Linear(5, 4)
+    hand = copy.deepcopy(model)
+    loss_fn = nn.CrossEntropyLoss(reduction=reduction)
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.3), loss_fn,
+                      TensorLoader(x, y, 7, shuffle=False), device="cpu")
+    history = trainer(3)
+    opt = torch.optim.SGD(hand.parameters(), lr=0.3)
+    expected = []
+    for _ in range(3):
+        exact = Fraction(0)
+        for i in range(0, 24, 7):
+            opt.zero_grad()
+            loss = loss_fn(hand(x[i:i + 7]), y[i:i + 7])
+            loss.backward()
+            opt.step()
+            n = len(y[i:i + 7])
+            exact += Fraction(loss.item()) * (n if reduction == "mean" else 1)
+        expected.append(float(exact) / 24)
+    assert history == expected  # bit for bit, not approximately
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), hand.parameters()))
+
+
 def test_history_accumulates_across_calls_and_returns_floats():
     x, y = tiny_data()
     model = SimpleCNN()
@@ -260,6 +291,32 @@ def test_train_epoch_on_its_own_with_a_deferred_stop_of_ones_own_stops_at_a_stop
                       TensorLoader(x, y, batch_size=16, shuffle=False), device="cpu", callbacks=[StopMidEpoch()])
     assert trainer.train_epoch(DeferredStop(), trainer._connect()) is None  # stopped: no mean loss
     assert trainer.batches_trained == 2 and trainer.position.batches_done == 2
+
+
+def test_a_stopped_epochs_position_keeps_its_batch_losses_and_a_tampered_one_is_refused_whole():
+    """An interrupted epoch's position holds each trained batch's loss and size (what its mean is made of); a
+    state whose lists do not fit is refused with a message, and the trainer is left as it was."""
+    x, y = tiny_data(64)
+    model = SimpleCNN()
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.01), nn.CrossEntropyLoss(),
+                      TensorLoader(x, y, batch_size=16, shuffle=False), device="cpu", callbacks=[StopMidEpoch()])
+    trainer(1)
+    position = trainer.position
+    assert position.sizes == [16, 16] and len(position.losses) == 2
+    assert all(type(v) is float for v in position.losses)
+    state = trainer.state_dict()
+    before = copy.deepcopy(model.state_dict())
+    for bad in ({"losses": position.losses[:1]}, {"sizes": [16, "16"]}, {"losses": [1, 2]}):
+        tampered = copy.deepcopy(state)
+        tampered["ranks"][0]["position"].update(bad)
+        tampered["model"] = {k: v + 1 for k, v in tampered["model"].items()}
+        with pytest.raises(ValueError, match="losses and sizes"):
+            trainer.load_state_dict(tampered)
+        assert all(torch.equal(model.state_dict()[k], v) for k, v in before.items())
+        assert trainer.position == position
+    trainer.callbacks = [cb for cb in trainer.callbacks if not isinstance(cb, StopMidEpoch)]
+    trainer(1)  # finishes the interrupted epoch from its position
+    assert trainer.epoch == 1 and trainer.batches_trained == 4
 
 
 def test_a_precision_whose_autocast_is_not_a_nullcontext_is_entered_however_it_is_flagged():
