@@ -1,8 +1,10 @@
 """Peers: per-step overhead of training frameworks against a hand-written PyTorch loop, on the CPU.
 
 Contenders, each training one epoch of the same steps (same initial weights, same batches in the same order,
-SGD with momentum, cross-entropy) and each computing the epoch's mean loss the way course_utils.Trainer does
-(loss summed on the device, one `.item()` at the end of the epoch):
+SGD with momentum, cross-entropy) and each computing the epoch's mean loss with no CPU-GPU sync per step (the
+loss summed on the device, one `.item()` at the end of the epoch; the Trainer instead keeps each batch's loss on
+the device and reads them all at the end with one `.tolist()`, which names a first non-finite batch, and which
+the CPU profiler's host-read count below does not see: its 0 is that one read):
   hand        the hand-written loop (zero_grad(set_to_none=True), forward, loss, backward, step)
   course      course_utils.Trainer(model, optimizer, loss_fn, loader, device="cpu")(1)
   course_oom  the same with oom_recovery=True, when nothing runs out (ratio to course printed: target <= 1.03)

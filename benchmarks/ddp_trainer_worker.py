@@ -8,6 +8,7 @@ writes the epoch times as JSON to the path given.
     torchrun --standalone --nproc-per-node 2 benchmarks/ddp_trainer_worker.py OUT.json [ROUNDS] [STEPS]
 """
 import json
+import math
 import sys
 import time
 
@@ -39,15 +40,16 @@ def main(out, rounds=9, steps=400):
 
     def hand():
         hand_model.train()
-        total, count = torch.zeros(()), 0
+        losses, sizes = [], []
         for xb, yb in shard:
             hand_opt.zero_grad(set_to_none=True)
             loss = loss_fn(hand_model(xb), yb)
             loss.backward()
             hand_opt.step()
-            total += loss.detach() * len(yb)
-            count += len(yb)
-        sums = torch.stack([total.double(), torch.tensor(float(count), dtype=torch.float64)])
+            losses.append(loss.detach())  # on the device until the epoch's end, as the Trainer keeps them
+            sizes.append(len(yb))
+        total = math.fsum(v * n for v, n in zip(torch.stack(losses).tolist(), sizes))  # one read, added exactly
+        sums = torch.tensor([total, float(sum(sizes))], dtype=torch.float64)
         dist.all_reduce(sums)  # the epoch's global mean, as the Trainer reports it
         return (sums[0] / sums[1]).item()
 

@@ -50,7 +50,9 @@ class Trainer:
 
     `loss_fn(outputs, targets)` returns the batch's mean loss (PyTorch's default), or its sum for a loss built with
     reduction="sum" (micro-batches then add up, unweighted). `history = trainer(epochs)` runs `epochs` more epochs
-    (an epoch a stop left unfinished counts as one of them) and returns their mean training losses (floats).
+    (an epoch a stop left unfinished counts as one of them) and returns their mean training losses (floats): each
+    batch's loss stays on the device until the epoch's end, when all are read at once and added exactly
+    (`math.fsum`, one rounding), so the mean is the same wherever a stop fell.
     `trainer.history` keeps every epoch's mean loss across calls, `trainer.logs` every epoch's full log
     (loss, and val_loss / val_accuracy when `val_loader` is given; val_accuracy only for a classifier), `trainer.epoch` counts finished epochs,
     `trainer.batches_trained` the batches trained on and `trainer.optimizer_steps` the optimizer steps.
