@@ -10,7 +10,7 @@ bench_peers.py's overhead-bound models:
   linear  nn.Linear(32 -> 10), batch 8
   bn      Linear 32->64, BatchNorm1d, ReLU, Linear 64->10, batch 8 (buffers: what oom_recovery saves each step)
 Contenders: hand (the loop PyTorch's tutorials write, with the epoch's loss summed on the device in one fused op,
-as the Trainer sums it), course
+the usual way to avoid a sync per step; the Trainer keeps each batch's loss instead and adds them at the end), course
 (`Trainer(...)(1)`), course_oom (`oom_recovery=True`). Targets (issue 21): course / hand <= 1.03 and
 course_oom / course <= 1.03.
 
