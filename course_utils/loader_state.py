@@ -87,25 +87,18 @@ class LoaderState:
         if callable(set_epoch):
             set_epoch(number)
         pending = self._pending
+        if self.kind == "stateful" and pending is not None:
+            self._pending = None
+            if "batches_done" in pending:  # inside an epoch: the loader's own state continues it
+                self.loader.load_state_dict(pending["state"])
+                return self._then_set_generators(iter(self.loader), pending["generators"])
+            self._load_pass_over(pending)  # saved between epochs, or after an epoch's last batch
+            return iter(()) if pending.get("finished") else iter(self.loader)
         if pending is not None and pending.get("finished"):  # stopped after its last batch: nothing left
-            if self.kind == "stateful":
-                # An exhausted loader's next pass hangs on its generators: put them back as they were. Its own
-                # state after the last batch is not reloaded when it has generators: torchdata's
-                # StatefulDataLoader without workers would then shuffle the next epoch differently.
-                if pending["generators"]:
-                    self._set_generators(pending["generators"])
-                else:
-                    self.loader.load_state_dict(pending["state"])
             self._pending = None
             return iter(())
         if self.kind == "stateful":
-            if pending is None:
-                return iter(self.loader)
-            self.loader.load_state_dict(pending["state"])
-            self._pending = None
-            if "batches_done" not in pending:  # saved between epochs: a fresh pass from the saved order
-                return iter(self.loader)
-            return self._then_set_generators(iter(self.loader), pending["generators"])
+            return iter(self.loader)
         if pending is None:
             self._match_workers(self._next_fresh)
             self._next_fresh = None
@@ -122,6 +115,20 @@ class LoaderState:
                                                                          skipped=skipped))
         self._pending = None
         return it
+
+    def _load_pass_over(self, pending: dict[str, Any]) -> None:
+        """Put a stateful loader where the original run was when its pass was over (between epochs, or after an
+        epoch's last batch), leaving no trace in the random generators. torchdata's StatefulDataLoader builds
+        the iterator of a loaded state at its next iter() and, finding that pass over, a fresh one; each draws a
+        seed (from the loader's generator, or torch's global one) that the original run did not draw, so the
+        next epoch would shuffle or drop out differently. Both are built here, then the generators are put back
+        as they were when the state was saved, and the global one as it is now."""
+        rng = rng_state()
+        self.loader.load_state_dict(pending["state"])
+        if _builds_iterator_on_iter(self.loader):
+            iter(self.loader)
+        self._set_generators(pending["generators"])
+        set_rng_state(rng)
 
     def _then_set_generators(self, it: Iterator, states: list) -> Iterator:
         """`it`, with the loader's generators put back as they were when the position was saved once its first
@@ -217,9 +224,9 @@ class LoaderState:
         if finished:
             return {**self.state_dict(), "finished": True, "generators": self._generator_states()}
         if self.kind == "stateful":  # the loader's own state knows whether it is inside an epoch
-            state = {**shape, "state": self.loader.state_dict()}
+            state = {**shape, "state": self.loader.state_dict(), "generators": self._generator_states()}
             if batches_done is not None:
-                state.update(batches_done=batches_done, generators=self._generator_states())
+                state["batches_done"] = batches_done
             return state
         if batches_done is None:  # between epochs: the next epoch's order depends on the generators' state now
             return {**shape, "generators": self._generator_states() if self.kind == "dataloader" else [],
@@ -275,6 +282,16 @@ class LoaderState:
 
 
 _KNOWN_SAMPLERS = (RandomSampler, SequentialSampler, SubsetRandomSampler, WeightedRandomSampler, DistributedSampler)
+
+
+def _builds_iterator_on_iter(loader) -> bool:
+    """Whether `loader` is torchdata's StatefulDataLoader, which turns a loaded state into an iterator (drawing
+    seeds) at its next iter(). Other stateful loaders, the course's TensorLoader among them, draw nothing then."""
+    try:
+        from torchdata.stateful_dataloader import StatefulDataLoader
+    except ImportError:
+        return False
+    return isinstance(loader, StatefulDataLoader)
 
 
 def _own_sampler(loader: DataLoader):

@@ -20,7 +20,7 @@ BATCHES = 5                      # per epoch
 EPOCHS = 2
 STOP_POINTS = range(1, BATCHES + 2)  # after batch 1..5 of epoch 1, and after the first batch of epoch 2
 KINDS = ["tensor", "dataloader", "dataloader_generator", "dataloader_workers", "dataloader_persistent", "sampler",
-         "numpy_augment", "stateful", "stateful_workers", "list"]
+         "numpy_augment", "stateful", "stateful_workers", "stateful_sampler", "list"]
 
 
 class NumpyNoisy(Dataset):
@@ -79,6 +79,12 @@ def loader(kind):
         workers = 2 if kind == "stateful_workers" else 0
         dataset = Noisy(x, y) if workers == 0 else TensorDataset(x, y)  # workers' draws are not saved
         return StatefulDataLoader(dataset, batch_size=BATCH, shuffle=True, num_workers=workers, generator=gen)
+    if kind == "stateful_sampler":  # no generator of its own: what torchrun's DistributedSampler gives it
+        from torch.utils.data import DistributedSampler
+        from torchdata.stateful_dataloader import StatefulDataLoader
+        dataset = Noisy(x, y)
+        return StatefulDataLoader(dataset, batch_size=BATCH,
+                                  sampler=DistributedSampler(dataset, num_replicas=1, rank=0, seed=5))
     if kind == "list":
         return [(x[i:i + BATCH], y[i:i + BATCH]) for i in range(0, SAMPLES, BATCH)]
     raise ValueError(kind)
