@@ -29,6 +29,7 @@ import atexit
 import os
 import sys
 import time
+import warnings
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -38,6 +39,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, RandomSampler, SequentialSampler
 
+from .errors import learner_stacklevel
 from .i18n import _
 
 ENV_TIMEOUT = "COURSE_DIST_TIMEOUT"  # seconds a collective may wait for the other ranks (default 300)
@@ -270,9 +272,10 @@ def shard_loader(loader, process: Process):
     - a `TensorLoader`: `loader.shard(rank, world_size)` (every rank draws the same permutation, from the same
       seed, and takes every world_size-th sample of it);
     - a torch DataLoader over a map-style dataset with a shuffling or sequential sampler: the same loader built
-      again with a `DistributedSampler` (same shuffling, the seed of the loader's generator; padded, as PyTorch
-      does, so every rank gets the same number of batches). A DataLoader that already has a DistributedSampler is
-      kept. torchdata's StatefulDataLoader is rebuilt the same way.
+      again with a `DistributedSampler` (same shuffling, seeded with rank 0's loader generator's seed on every
+      rank, so the shares come from one permutation and never overlap; a warning if the ranks' seeds differ;
+      padded, as PyTorch does, so every rank gets the same number of batches). A DataLoader that already has a
+      DistributedSampler is kept. torchdata's StatefulDataLoader (shuffled or not) is rebuilt the same way.
     - a DataLoader over an `IterableDataset` (a stream has no sampler to split): the same loader over
       `dataset.shard(rank, world_size)`, a method the dataset provides (it yields only that rank's share, split
       further by worker with `torch.utils.data.get_worker_info()`, and the same number of batches on every rank).
@@ -290,13 +293,33 @@ def shard_loader(loader, process: Process):
     sampler = loader.sampler
     if isinstance(sampler, DistributedSampler):
         return loader
-    if not isinstance(sampler, (RandomSampler, SequentialSampler)) or loader.batch_sampler is None:
+    shuffle = _shuffles(sampler)
+    if not (shuffle or isinstance(sampler, SequentialSampler)) or loader.batch_sampler is None:
         raise TypeError(_("this DataLoader uses a {sampler}: build it with a torch.utils.data.DistributedSampler "
                           "yourself so that each rank draws its own share").format(sampler=type(sampler).__name__))
-    seed = loader.generator.initial_seed() if loader.generator is not None else 0
+    # The ranks' shares must come from one permutation: every rank shuffles with rank 0's seed (a collective:
+    # every rank builds its Trainer, and so its loaders, in the same order).
+    seeds = gather_objects(loader.generator.initial_seed() if loader.generator is not None else 0, process)
+    if shuffle and len(set(seeds)) > 1:
+        warnings.warn(_("the ranks' DataLoaders have generators seeded differently ({seeds}): each rank's share "
+                        "must come from one shuffle, or the shares would overlap, so every rank shuffles with rank "
+                        "0's seed ({seed}). The loader's own generator still seeds its workers, per rank.").format(
+            seeds=", ".join(map(str, seeds)), seed=seeds[0]), stacklevel=learner_stacklevel())
     distributed = DistributedSampler(loader.dataset, num_replicas=process.world_size, rank=process.rank,
-                                     shuffle=isinstance(sampler, RandomSampler), seed=seed)
+                                     shuffle=shuffle, seed=seeds[0])
     return _rebuild(loader, loader.dataset, sampler=distributed)
+
+
+def _shuffles(sampler) -> bool:
+    """Whether `sampler` is a shuffling sampler the Trainer may replace: torch's RandomSampler, or torchdata's
+    (what StatefulDataLoader(shuffle=True) makes)."""
+    if isinstance(sampler, RandomSampler):
+        return True
+    try:
+        from torchdata.stateful_dataloader.sampler import RandomSampler as StatefulRandomSampler
+    except ImportError:
+        return False
+    return isinstance(sampler, StatefulRandomSampler)
 
 
 def _rebuild(loader: DataLoader, dataset, **extra) -> DataLoader:
@@ -307,6 +330,8 @@ def _rebuild(loader: DataLoader, dataset, **extra) -> DataLoader:
                   generator=loader.generator, persistent_workers=loader.persistent_workers, **extra)
     if loader.num_workers > 0:
         kwargs["prefetch_factor"] = loader.prefetch_factor
+    if hasattr(loader, "snapshot_every_n_steps"):  # torchdata's StatefulDataLoader
+        kwargs["snapshot_every_n_steps"] = loader.snapshot_every_n_steps
     return type(loader)(dataset, **kwargs)
 
 

@@ -1,11 +1,13 @@
 """The Trainer's distributed promises, run by tests/test_trainer_edges_ddp.py under `torchrun --nproc-per-node 2`.
 
     torchrun ... edges_ddp_worker.py first DIR    # per loader kind: a run stopped by rank 1 alone mid-epoch 2
-                                                  # (checkpoint DIR/KIND.pt); a stop in on_epoch_end on rank 1;
+                                                  # (checkpoint DIR/KIND.pt) and one whose stop lands after
+                                                  # epoch 1's last batch (DIR/KIND_end.pt); the ranks' shares;
+                                                  # a stop in on_epoch_end on rank 1;
                                                   # a nan loss on rank 1; a stop with the vote's interval
                                                   # adapting to slow steps. Rank 0 writes DIR/first.json.
-    torchrun ... edges_ddp_worker.py finish DIR   # per kind: an uninterrupted run and a resume of DIR/KIND.pt in
-                                                  # this new group; rank 0 writes DIR/finish.json
+    torchrun ... edges_ddp_worker.py finish DIR   # per kind: an uninterrupted run and resumes of both checkpoints
+                                                  # in this new group; rank 0 writes DIR/finish.json
 
 Every rank is seeded differently after the Trainer is built (dropout masks and random augmentations differ per
 rank), so a resume is only exact if every rank gets its own random state back.
@@ -20,6 +22,8 @@ from pathlib import Path
 
 import torch
 from torch import nn
+import warnings
+
 from torch.utils.data import DataLoader
 
 from course_utils import distributed
@@ -29,7 +33,9 @@ from course_utils.trainer import NonFiniteLossError, Trainer
 
 from edge_cases import Noisy  # a random augmentation in __getitem__ (tests/edge_cases.py)
 
-KINDS = ["tensor", "dataloader"]
+KINDS = ["tensor", "dataloader", "stateful"]
+STOPS = {"": 27, "_end": 20}  # rank 1 asks after batch 27 (lands mid-epoch 2), or after 20 (lands after epoch 1's
+#                               last batch, the 24th: the vote posted there is read at the epoch's end)
 EPOCHS = 3
 
 
@@ -37,8 +43,15 @@ def trainer(kind, loss_fn=None, **kwargs):
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(0)
     x, y = torch.randn(192, 1, 8, 8, generator=g), torch.randint(0, 10, (192,), generator=g)
-    loader = TensorLoader(x, y, batch_size=4, seed=1) if kind == "tensor" else \
-        DataLoader(Noisy(x, y), batch_size=4, shuffle=True)  # 24 batches an epoch per rank
+    if kind == "tensor":  # 24 batches an epoch per rank
+        loader = TensorLoader(x, y, batch_size=4, seed=1)
+    elif kind == "dataloader":
+        loader = DataLoader(Noisy(x, y), batch_size=4, shuffle=True)
+    else:  # torchdata's, shuffled with a generator seeded differently on each rank (the Trainer warns)
+        from torchdata.stateful_dataloader import StatefulDataLoader
+        seed = 7 + int(os.environ["RANK"])
+        loader = StatefulDataLoader(Noisy(x, y), batch_size=4, shuffle=True,
+                                    generator=torch.Generator().manual_seed(seed))
     model = nn.Sequential(nn.Flatten(), nn.Linear(64, 32), nn.ReLU(), nn.Dropout(0.3), nn.Linear(32, 10))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     t = Trainer(model, opt, loss_fn or nn.CrossEntropyLoss(), loader, device="cpu", **kwargs)
@@ -99,20 +112,29 @@ def main(mode, folder):
     out = {}
     for kind in KINDS:
         if mode == "first":
-            t = trainer(kind, callbacks=[Rank1Stops(at=27)], checkpoint=folder / f"{kind}.pt")  # epoch 2, batch 3
-            t(EPOCHS)
-            out[kind] = distributed.gather_objects({"batches": t.batches_trained, "reason": t.stop_reason,
-                                                    "batch_in_epoch": t.batch_in_epoch}, t.process)
+            for suffix, at in STOPS.items():
+                with warnings.catch_warnings(record=True) as caught:
+                    warnings.simplefilter("always")
+                    t = trainer(kind, callbacks=[Rank1Stops(at=at)], checkpoint=folder / f"{kind}{suffix}.pt")
+                t(EPOCHS)
+                out[kind + suffix] = distributed.gather_objects(
+                    {"batches": t.batches_trained, "reason": t.stop_reason, "batch_in_epoch": t.batch_in_epoch,
+                     "epoch": t.epoch, "seeds_warned": any("seeded differently" in str(w.message) for w in caught)},
+                    t.process)
+            sampler = getattr(t.train_loader, "sampler", None)  # the DistributedSampler the Trainer built
+            out[kind + "_share"] = distributed.gather_objects(list(sampler) if sampler is not None else None,
+                                                              t.process)
         else:
             reference = trainer(kind)
             reference(EPOCHS)
-            resumed = trainer(kind)
-            resumed.load_checkpoint(folder / f"{kind}.pt")
-            resumed(EPOCHS - resumed.epoch)
-            out[kind] = distributed.gather_objects(
-                {"weights_equal": torch.equal(flat(reference.model), flat(resumed.model)),
-                 "history_equal": reference.history == resumed.history,
-                 "history": resumed.history, "reference": reference.history}, resumed.process)
+            for suffix in STOPS:
+                resumed = trainer(kind)
+                resumed.load_checkpoint(folder / f"{kind}{suffix}.pt")
+                resumed(EPOCHS - resumed.epoch)
+                out[kind + suffix] = distributed.gather_objects(
+                    {"weights_equal": torch.equal(flat(reference.model), flat(resumed.model)),
+                     "history_equal": reference.history == resumed.history,
+                     "history": resumed.history, "reference": reference.history}, resumed.process)
     if mode == "first":
         t = trainer("tensor", callbacks=[Rank1Stops()])
         t(EPOCHS)

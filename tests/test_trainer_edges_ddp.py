@@ -1,5 +1,7 @@
 """The Trainer's distributed promises with two real gloo processes (torchrun), ranks seeded differently:
-a mid-epoch resume in a new torchrun is bit-exact for every rank (weights and loss history), a stop raised on
+a resume in a new torchrun is bit-exact for every rank (weights and loss history), from mid-epoch and from a
+stop that landed after an epoch's last batch, for TensorLoader, DataLoader and a StatefulDataLoader whose
+generators were seeded differently per rank (the shares stay disjoint); a stop raised on
 one rank stops both at the same step with its reason (mid-epoch and at an epoch's end, well before the
 collective timeout), and a nan loss on one rank is named on every rank."""
 import json
@@ -30,13 +32,22 @@ def test_per_rank_state_stop_agreement_and_nan_under_torchrun(tmp_path):
     assert first.returncode == 0, first.stderr[-3000:]
     assert time.perf_counter() - start < 50, "a stop waited for the collective timeout (60 s)"
     stopped = json.loads((tmp_path / "first.json").read_text())
-    for kind in ("tensor", "dataloader"):
+    for kind in ("tensor", "dataloader", "stateful"):
         ranks = stopped[kind]
         # rank 1 asked after batch 27 (epoch 2, batch 3 of 24); the vote posted at the epoch's 8th step carries it,
         # read at its 16th: both ranks stop together there
         assert [r["batches"] for r in ranks] == [40, 40], ranks
         assert [r["batch_in_epoch"] for r in ranks] == [16, 16], ranks
         assert [r["reason"] for r in ranks] == ["rank 1 asked at batch 27"] * 2, ranks
+        # asked after batch 20: the vote posted at the epoch's last step (24) is read at its end, before it closes
+        ranks = stopped[kind + "_end"]
+        assert [(r["batches"], r["batch_in_epoch"], r["epoch"]) for r in ranks] == [(24, 24, 0)] * 2, ranks
+        # the ranks' shares of an epoch: disjoint, together the whole dataset (192 samples), even when the ranks'
+        # StatefulDataLoaders were seeded differently (warned about, on both ranks, only then)
+        shares = stopped[kind + "_share"]
+        if kind != "tensor":
+            assert not set(shares[0]) & set(shares[1]) and len(set(shares[0]) | set(shares[1])) == 192, shares
+        assert [r["seeds_warned"] for r in stopped[kind]] == [kind == "stateful"] * 2, stopped[kind]
     assert stopped["epoch_end"] == [{"epoch": 1, "reason": "rank 1 asked at an epoch end"}] * 2
     assert all(m is not None and "epoch 1, batch 9 on rank 1" in m for m in stopped["nan"]), stopped["nan"]
     preempted = stopped["preempted"]  # SIGTERM on rank 1 only: both ranks save and leave with SIGTERM's status
@@ -49,6 +60,6 @@ def test_per_rank_state_stop_agreement_and_nan_under_torchrun(tmp_path):
     finish = torchrun(HERE / "edges_ddp_worker.py", "finish", tmp_path)
     assert finish.returncode == 0, finish.stderr[-3000:]
     resumed = json.loads((tmp_path / "finish.json").read_text())
-    for kind in ("tensor", "dataloader"):
+    for kind in ("tensor", "dataloader", "stateful", "tensor_end", "dataloader_end", "stateful_end"):
         for rank, r in enumerate(resumed[kind]):
             assert r["weights_equal"] and r["history_equal"], (kind, rank, r)
