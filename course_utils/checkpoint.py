@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from .epoch import EpochPosition, NonFiniteLossError
+from .epoch import EpochPosition, NonFiniteLossError, first_bad_over_ranks, non_finite_error, where_in
 from .errors import first_line
 from .i18n import _
 from .rng import rng_state, set_rng_state
@@ -212,7 +212,8 @@ def load_trainer_state(trainer, state: dict) -> None:
 
 
 def _refuse_non_finite(trainer, path: Path) -> None:
-    """Refuse to save non-finite weights or a non-finite running loss (a sync: once per save)."""
+    """Refuse to save non-finite weights or a non-finite running loss (a sync: once per save), naming the first
+    bad batch (a periodic save mid-epoch is often the first to see it)."""
     tensors = [t for t in trainer.model.state_dict().values() if t.is_floating_point()]
     weights_ok = bool(torch.stack([t.isfinite().all() for t in tensors]).all()) if tensors else True
     if trainer.position is not None:
@@ -220,12 +221,20 @@ def _refuse_non_finite(trainer, path: Path) -> None:
     else:  # between epochs, or a periodic save while training (the epoch's losses: read once per save)
         loss_ok = not trainer.at_step_boundary or trainer.precision.scaler is not None \
             or all(map(math.isfinite, trainer.tally.values()))
-    if not trainer.process.agree(not (weights_ok and loss_ok)):  # every rank saves, or none (a round trip)
+    process = trainer.process
+    if not process.agree(not (weights_ok and loss_ok)):  # every rank saves, or none (a round trip)
         return
-    what = _("the weights") if not weights_ok else _("the loss of the interrupted epoch")
-    raise NonFiniteLossError(_("not saving '{name}': {what} are not finite (inf or nan), and a checkpoint must "
+    bad = first_bad_over_ranks(trainer.tally, process)  # every rank is here (a collective)
+    if bad is not None:  # the message names the first bad batch (non_finite_error finds it again)
+        error = non_finite_error(trainer.tally, process, trainer.epoch + 1, bad[0], bad[1])
+        raise NonFiniteLossError(_("not saving '{name}': {error}").format(name=path.name, error=error))
+    where = where_in(process, trainer.epoch + 1, trainer.batch_in_epoch) if trainer.batch_in_epoch \
+        else _("the end of epoch {epoch}").format(epoch=trainer.epoch)
+    raise NonFiniteLossError(_("not saving '{name}': the weights are not finite (inf or nan) at {where}, though "
+                               "every loss before was: the update itself overflowed (a learning rate too high, "
+                               "or gradients beyond float range), or something changed them. A checkpoint must "
                                "never hold them; the file keeps the last good state.").format(
-        name=path.name, what=what))
+        name=path.name, where=where))
 
 
 def save_trainer(trainer, path) -> Path:

@@ -103,18 +103,34 @@ class EpochTally:
         return None
 
 
-def non_finite_error(tally: EpochTally, process, epoch: int, batch: int, value: float) -> NonFiniteLossError:
-    """The error for an epoch whose loss is `value` (inf or nan), naming its first bad batch over all ranks
-    (`process.gather`: a collective, every rank calls it); `batch` is where the epoch stands, if none is found."""
+def first_bad_over_ranks(tally: EpochTally, process) -> tuple[int, float, int] | None:
+    """(batch, loss, rank) of the first non-finite batch loss of the epoch over all ranks (the lowest batch number,
+    then the lowest rank), or None if every loss is finite. A collective (`process.gather`): every rank calls it."""
     found = [(bad, rank) for rank, bad in enumerate(process.gather(tally.first_bad())) if bad is not None]
-    (batch, value), rank = min(found) if found else ((batch, value), 0)
+    if not found:
+        return None
+    (batch, value), rank = min(found)
+    return batch, value, rank
+
+
+def where_in(process, epoch: int, batch: int, rank: int = 0) -> str:
+    """'epoch 2, batch 3' (and ' on rank 1' in a distributed run)."""
     where = _("epoch {epoch}, batch {batch}").format(epoch=epoch, batch=batch)
     if process.world_size > 1:
         where += _(" on rank {rank}").format(rank=rank)
+    return where
+
+
+def non_finite_error(tally: EpochTally, process, epoch: int, batch: int, value: float) -> NonFiniteLossError:
+    """The error for an epoch whose loss is `value` (inf or nan), naming its first bad batch over all ranks
+    (`first_bad_over_ranks`: a collective, every rank calls it); `batch` is where the epoch stands, if none is
+    found."""
+    bad = first_bad_over_ranks(tally, process)
+    batch, value, rank = bad if bad is not None else (batch, value, 0)
     return NonFiniteLossError(_(
-        "the loss became {value} at {where}: training stopped (the Trainer reads the loss at an epoch's end "
-        "and when it stops). The weights are probably not finite any more; no checkpoint was written (the last "
+        "the loss became {value} at {where}: training stopped (the Trainer reads the loss at an epoch's end, "
+        "when it stops and when it saves). The weights are probably not finite any more; no checkpoint was written (the last "
         "good one is kept). Usual causes: a "
         "learning rate too high, log or division by zero in the loss, float16 overflow (mixed_precision='fp16' "
         "scales the loss). callbacks=[CheckFinite()] stops at the bad step itself (one sync a step).").format(
-        value=value, where=where))
+        value=value, where=where_in(process, epoch, batch, rank)))

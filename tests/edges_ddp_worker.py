@@ -27,7 +27,7 @@ import warnings
 from torch.utils.data import DataLoader
 
 from course_utils import distributed
-from course_utils.callbacks import Callback, StopTraining
+from course_utils.callbacks import Callback, Checkpoint, StopTraining
 from course_utils.data import TensorLoader
 from course_utils.trainer import NonFiniteLossError, Trainer
 
@@ -147,6 +147,14 @@ def main(mode, folder):
         except NonFiniteLossError as exc:
             message = str(exc)
         out["nan"] = distributed.gather_objects(message, t.process)
+        # the same with a save after every step: the save is the first to read the bad loss, and names it too
+        t = trainer("tensor", loss_fn=NanOnRank1(rank, 9), callbacks=[Checkpoint(folder / "nan.pt", every_n_steps=1)])
+        try:
+            t(EPOCHS)
+            message = None
+        except NonFiniteLossError as exc:
+            message = str(exc)
+        out["nan_saving"] = distributed.gather_objects(message, t.process)
         # the vote's interval adapted to the step time (the test runs set COURSE_STOP_VOTE_SECONDS=0 for the fixed
         # cadence above): the same interval on both ranks, so a stop asked by rank 1 still stops both together
         os.environ[distributed.ENV_VOTE_SECONDS] = "0.5"

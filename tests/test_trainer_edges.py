@@ -22,7 +22,7 @@ from torch import nn
 
 import edge_cases as ec
 from course_utils import distributed
-from course_utils.callbacks import Callback, CheckFinite, HOOKS
+from course_utils.callbacks import HOOKS, Callback, CheckFinite, Checkpoint
 from course_utils.data import TensorLoader
 from course_utils.trainer import CheckpointError, NonFiniteLossError, Trainer, move_batch, read_checkpoint
 
@@ -432,6 +432,35 @@ def test_a_non_finite_loss_before_a_stop_is_named_at_the_stop_and_not_saved(tmp_
                 checkpoint=tmp_path / "ck.pt", callbacks=[ec.stopper(4)])
     with pytest.raises(NonFiniteLossError, match="nan at epoch 1, batch 2"):
         t(2)
+    assert not (tmp_path / "ck.pt").exists()
+
+
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_a_periodic_checkpoint_that_meets_a_non_finite_loss_names_its_batch(tmp_path, accumulate, capsys):
+    """A save every step is the first to read a bad loss: it refuses to write, naming the first bad batch."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Flatten(), nn.Linear(64, 10))
+    x, y = ec.data()
+    path = tmp_path / "ck.pt"
+    t = Trainer(model, torch.optim.SGD(model.parameters(), 0.1), NanAt(ec.BATCHES + 3), TensorLoader(x, y, 16),
+                device="cpu", accumulate=accumulate, callbacks=[Checkpoint(path, every_n_steps=1)])
+    with pytest.raises(NonFiniteLossError, match="not saving 'ck.pt': the loss became nan at epoch 2, batch 3"):
+        t(3)
+    assert all(torch.isfinite(v).all() for v in read_checkpoint(path)["model"].values())
+
+
+def test_non_finite_weights_after_finite_losses_are_refused_saying_so(tmp_path, capsys):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Flatten(), nn.Linear(64, 10))
+    x, y = ec.data()
+    t = Trainer(model, torch.optim.SGD(model.parameters(), 0.1), nn.CrossEntropyLoss(), TensorLoader(x, y, 16),
+                device="cpu")
+    t(1)
+    with torch.no_grad():
+        model[1].weight[0, 0] = math.inf
+    with pytest.raises(NonFiniteLossError, match="not saving 'ck.pt': the weights are not finite .* at the end of "
+                                                 "epoch 1, though every loss before was"):
+        t.save_checkpoint(tmp_path / "ck.pt")
     assert not (tmp_path / "ck.pt").exists()
 
 

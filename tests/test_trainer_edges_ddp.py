@@ -50,6 +50,8 @@ def test_per_rank_state_stop_agreement_and_nan_under_torchrun(tmp_path):
         assert [r["seeds_warned"] for r in stopped[kind]] == [kind == "stateful"] * 2, stopped[kind]
     assert stopped["epoch_end"] == [{"epoch": 1, "reason": "rank 1 asked at an epoch end"}] * 2
     assert all(m is not None and "epoch 1, batch 9 on rank 1" in m for m in stopped["nan"]), stopped["nan"]
+    assert all(m is not None and m.startswith("not saving 'nan.pt'") and "epoch 1, batch 9 on rank 1" in m
+               for m in stopped["nan_saving"]), stopped["nan_saving"]
     preempted = stopped["preempted"]  # SIGTERM on rank 1 only: both ranks save and leave with SIGTERM's status
     assert [r["code"] for r in preempted] == [143, 143] and preempted[0]["batches"] == preempted[1]["batches"], preempted
     adaptive = stopped["adaptive"]  # ~10 ms steps, a vote about every 0.5 s: some 40 steps apart, never 8
