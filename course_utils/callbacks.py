@@ -24,8 +24,9 @@ order they were passed in. `state_dict()` / `load_state_dict()` put a callback's
 checkpoints.
 
 In a distributed run every rank runs the callbacks. A StopTraining raised on any rank stops every rank at the
-same step, with its reason: within about half a second of the one where it was raised (16 steps where steps take
-longer than 30 ms), or at the epoch's end (ranks agree without waiting at every step), or at once between epochs.
+same step, with its reason: within about half a second of the one where it was raised (2 steps where steps take
+longer than a quarter second), or at the epoch's end (ranks agree without waiting at every step), or at once
+between epochs.
 
 Hooks get no tensors' values: calling `.item()` on `loss` every batch is a CPU-GPU sync, so keep the tensor
 or sum it on the device instead.

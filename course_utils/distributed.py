@@ -386,8 +386,9 @@ class StopVote:
     thread competes with the gradient all-reduce for the cores), so the interval adapts: each post also
     proposes how many steps fill about `seconds` (default 0.25 s; every step when a step takes longer), and from
     the answer on all ranks use the largest proposal. All ranks make the same calls and read the same answers at
-    the same call, so they stop together: about 2 x `seconds` after the wish, or 2 steps when steps are slower (a
-    SIGTERM's save then lands within torchrun's --shutdown-timeout grace period unless a step takes that long).
+    the same call, so they stop together: about 2 x `seconds` after the wish, or 2 steps when steps are slower,
+    from the first step of a launch on (a SIGTERM's save then lands within torchrun's --shutdown-timeout grace
+    period unless a step takes that long). The first steps vote every step, until the interval is measured.
     `seconds=None` keeps `every` fixed (the environment variable COURSE_STOP_VOTE_SECONDS=0 does the same, for tests that
     need the stop at a known step). In one process `Alone` stands in: a wish is its own answer, at once.
     """
@@ -398,10 +399,12 @@ class StopVote:
         if seconds is None:
             seconds = float(os.environ.get(ENV_VOTE_SECONDS, "0.25"))
         self.process = process
-        self.every = every
         self.seconds = seconds if seconds and seconds > 0 else None
         self.least = 1 if self.seconds else every  # timed: slow steps vote every step; fixed: every `every`
-        self._left = every    # calls until the next post
+        # timed: every step until the first proposal (the third call) says how many steps fill `seconds`, so a
+        # stop early in a launch is as prompt as later (with `every` steps first, it took 2 x `every` steps)
+        self.every = self.least
+        self._left = self.every  # calls until the next post
         self._wish = 0        # the largest wish made since the last post
         self._pending = None  # (work, tensor) of the last posted wish
         self._posted_at: float | None = None  # when the last post went out (None: not timed since a settle)
