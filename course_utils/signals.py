@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import signal
 import threading
+from typing import NoReturn
 
 PREEMPTED_EXIT = 128 + signal.SIGTERM  # the status of a process ended by SIGTERM: "stopped from outside, saved"
 # What a process wishes after a step (`DeferredStop.wish`); in a distributed run the largest over ranks wins
@@ -70,3 +71,12 @@ class DeferredStop:
         return False
 
 
+
+
+def exit_preempted(quietly: bool) -> NoReturn:
+    """Leave with `PREEMPTED_EXIT` (SystemExit). `quietly`: ignore further SIGTERMs on the way out, as a rank of a
+    torchrun job should: once one rank has left, torchrun sends SIGTERM to the others, which may still be leaving;
+    the default action would turn their 143 into "killed by SIGTERM" (-15), though their state is saved."""
+    if quietly and threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    raise SystemExit(PREEMPTED_EXIT)

@@ -33,7 +33,7 @@ from .i18n import _
 from .loader_state import LoaderState
 from .memory import MemoryCheck, ResilientStep
 from .rng import set_rng_state
-from .signals import GO_ON, INTERRUPT, PREEMPTED_EXIT, STOP, TERMINATE, DeferredStop
+from .signals import GO_ON, INTERRUPT, PREEMPTED_EXIT, STOP, TERMINATE, DeferredStop, exit_preempted
 from .step import TrainStep, batch_len, check_optimizer_holds, move_batch, pair_on
 
 __all__ = ["Callback", "CheckpointError", "NonFiniteLossError", "StopTraining", "Trainer", "move_batch",
@@ -266,7 +266,7 @@ class Trainer:
             if self.is_main:
                 print(_("Stopped by SIGTERM at {where}; exiting with status {status}.").format(
                     where=self.where(), status=PREEMPTED_EXIT), flush=True)
-            raise SystemExit(PREEMPTED_EXIT)
+            exit_preempted(quietly=self.process.world_size > 1)  # a torchrun rank ignores SIGTERMs on its way out
         return losses
 
     def train_epoch(self, interrupt: DeferredStop | None = None, hooks: dict | None = None) -> float | None:

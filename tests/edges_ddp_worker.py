@@ -170,7 +170,10 @@ def main(mode, folder):
             code = None
         except SystemExit as exc:
             code = exc.code
-        out["preempted"] = distributed.gather_objects({"code": code, "batches": t.batches_trained}, t.process)
+        # leaving, a rank ignores the SIGTERM torchrun sends once another rank has left (else: -15, not 143)
+        out["preempted"] = distributed.gather_objects(
+            {"code": code, "batches": t.batches_trained,
+             "sigterm_ignored": signal.getsignal(signal.SIGTERM) == signal.SIG_IGN}, t.process)
     if distributed.Process.from_environment().rank == 0:
         (folder / f"{mode}.json").write_text(json.dumps(out, indent=1))
 

@@ -54,6 +54,7 @@ def test_per_rank_state_stop_agreement_and_nan_under_torchrun(tmp_path):
                for m in stopped["nan_saving"]), stopped["nan_saving"]
     preempted = stopped["preempted"]  # SIGTERM on rank 1 only: both ranks save and leave with SIGTERM's status
     assert [r["code"] for r in preempted] == [143, 143] and preempted[0]["batches"] == preempted[1]["batches"], preempted
+    assert [r["sigterm_ignored"] for r in preempted] == [True, True], preempted
     adaptive = stopped["adaptive"]  # ~10 ms steps, a vote about every 0.5 s: some 40 steps apart, never 8
     assert adaptive[0] == adaptive[1], adaptive
     assert 8 < adaptive[0]["every"] <= 60 and adaptive[0]["reason"] == "rank 1 asked at batch 60", adaptive
