@@ -71,6 +71,12 @@ class Callback:
     def on_epoch_end(self, trainer: "Trainer", logs: dict) -> None: ...
     def on_train_end(self, trainer: "Trainer") -> None: ...
 
+    @property
+    def state_name(self) -> str:
+        """What a checkpoint calls this callback's state: its class name. A state goes back only to a callback
+        of the same name."""
+        return type(self).__name__
+
     def state_dict(self) -> dict[str, Any]:
         """This callback's state for a checkpoint (plain values and tensors only)."""
         return {}
@@ -143,6 +149,11 @@ class LRScheduler(Callback):
             self.scheduler.step(logs[self.monitor or ("val_loss" if "val_loss" in logs else "loss")])
         else:
             self.scheduler.step()
+
+    @property
+    def state_name(self) -> str:
+        """'LRScheduler(StepLR)': a StepLR's state never goes to another kind of scheduler."""
+        return f"{type(self).__name__}({type(self.scheduler).__name__})"
 
     def state_dict(self) -> dict[str, Any]:
         return {"scheduler": self.scheduler.state_dict()}

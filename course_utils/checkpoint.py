@@ -103,12 +103,18 @@ PARTS = ("model", "optimizer", "precision", "step")  # a Trainer's parts: each h
 COUNTERS = ("epoch", "batches_trained", "optimizer_steps", "history", "logs")  # a Trainer's plain values
 
 
+def _state_name(callback) -> str:
+    return getattr(callback, "state_name", type(callback).__name__)
+
+
 def match_callbacks(callbacks, saved: list[dict]) -> list[tuple[Any, Any]]:
-    """(callback, its saved state) for each saved callback state, given to the callback of the same class in
-    `callbacks` (in order). A saved state that no callback takes raises ValueError, unless it is empty."""
+    """(callback, its saved state) for each saved callback state, given to the callback of the same name in
+    `callbacks` (in order: `Callback.state_name`, its class, and a scheduler's class). Raises ValueError if a
+    saved state has no callback to take it, or a callback with a state has none in the checkpoint (a scheduler
+    would start its schedule again): empty states are left out of both."""
     waiting: dict[str, list] = {}
     for cb in callbacks:
-        waiting.setdefault(type(cb).__name__, []).append(cb)
+        waiting.setdefault(_state_name(cb), []).append(cb)
     pairs = []
     for entry in saved:
         mine = waiting.get(entry["class"])
@@ -117,6 +123,11 @@ def match_callbacks(callbacks, saved: list[dict]) -> list[tuple[Any, Any]]:
         elif entry["state"]:
             raise ValueError(_("the checkpoint holds the state of a {name} callback, which this trainer does not "
                                "have; pass one (e.g. the same scheduler) to resume exactly").format(name=entry["class"]))
+    for name, left in waiting.items():
+        if any(cb.state_dict() for cb in left):
+            raise ValueError(_("this trainer has a {name} callback, whose state the checkpoint lacks (the run that "
+                               "wrote it had none): it would start again from its beginning. Build the trainer "
+                               "with the callbacks and scheduler of that run to resume exactly").format(name=name))
     return pairs
 
 
@@ -164,7 +175,7 @@ def _rank_state(trainer) -> dict:
 def _saved_parts(trainer) -> dict:
     """The state of the trainer's parts, callbacks and counters (the rank-independent part of a checkpoint)."""
     return {**{name: getattr(trainer, name).state_dict() for name in PARTS},
-            "callbacks": [{"class": type(cb).__name__, "state": cb.state_dict()} for cb in trainer.callbacks],
+            "callbacks": [{"class": _state_name(cb), "state": cb.state_dict()} for cb in trainer.callbacks],
             **{name: copy.deepcopy(getattr(trainer, name)) for name in COUNTERS}}
 
 

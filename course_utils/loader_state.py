@@ -220,7 +220,8 @@ class LoaderState:
         """Where the loader is: `batches_done` batches into the current epoch, or (None) between epochs.
         `finished`: the epoch's pass is over (its last batch drawn) but the epoch is not closed yet; the next
         `epoch()` after loading this state yields nothing, and the one after it starts the next epoch."""
-        shape = {"kind": self.kind, "batches": _length(self.loader), "generator_count": len(_generators(self.loader))}
+        shape = {"kind": self.kind, "batches": _length(self.loader), "generator_count": len(_generators(self.loader)),
+                 "class": type(self.loader).__name__}
         if finished:
             return {**self.state_dict(), "finished": True, "generators": self._generator_states()}
         if self.kind == "stateful":  # the loader's own state knows whether it is inside an epoch
@@ -234,13 +235,18 @@ class LoaderState:
         return {**shape, "batches_done": batches_done, "epoch_start": self._epoch_start}
 
     def check(self, state: Any) -> None:
-        """Raise ValueError if `state` cannot be restored into this loader: another kind, another number of
-        generators, or (inside an epoch) another number of batches an epoch. Changes nothing."""
+        """Raise ValueError if `state` cannot be restored into this loader: another kind, another class of a loader
+        with a state of its own, another number of generators, or (inside an epoch) another number of batches an
+        epoch. Changes nothing."""
         if not isinstance(state, dict) or state.get("kind") != self.kind:
             found = state.get("kind") if isinstance(state, dict) else None
             raise ValueError(_("the checkpoint was saved with a loader of kind {saved!r}; this trainer's loader "
                                "({name}) is of kind {kind!r}: build the same kind of loader").format(
                 saved=found, name=type(self.loader).__name__, kind=self.kind))
+        if self.kind == "stateful" and state.get("class", type(self.loader).__name__) != type(self.loader).__name__:
+            raise ValueError(_("the checkpoint was saved with a {saved}, whose state this trainer's {name} cannot "
+                               "read: build the same loader").format(saved=state["class"],
+                                                                     name=type(self.loader).__name__))
         gens = len(_generators(self.loader))
         if self.kind == "dataloader" and state.get("generator_count", gens) != gens:
             raise ValueError(_("the checkpoint's DataLoader had {saved} generator(s) (its own or its sampler's), this "

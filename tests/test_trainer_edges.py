@@ -22,7 +22,7 @@ from torch import nn
 
 import edge_cases as ec
 from course_utils import distributed
-from course_utils.callbacks import HOOKS, Callback, CheckFinite, Checkpoint
+from course_utils.callbacks import HOOKS, Callback, CheckFinite, Checkpoint, LRScheduler
 from course_utils.data import TensorLoader
 from course_utils.trainer import CheckpointError, NonFiniteLossError, Trainer, move_batch, read_checkpoint
 
@@ -275,8 +275,9 @@ def _sgd_trainer(model=None):
                    TensorLoader(x, y, batch_size=16), device="cpu")
 
 
-@pytest.mark.parametrize("case", ["sgd_into_adamw", "shapes", "groups", "param_order", "callback", "loader_kind",
-                                  "loader_generators", "loader_batches", "counters"])
+@pytest.mark.parametrize("case", ["sgd_into_adamw", "shapes", "groups", "param_order", "callback", "no_scheduler",
+                                  "other_scheduler", "loader_kind", "loader_class", "loader_generators",
+                                  "loader_batches", "counters"])
 def test_a_checkpoint_that_does_not_fit_is_named_and_changes_nothing(tmp_path, case, capsys):
     path = tmp_path / "ck.pt"
     stop_at = None  # mid-epoch checkpoints for the loader cases: their position must fit the loader
@@ -306,8 +307,20 @@ def test_a_checkpoint_that_does_not_fit_is_named_and_changes_nothing(tmp_path, c
     elif case == "callback":
         source, target, words = ec.trainer("tensor"), ec.trainer("tensor"), "LRScheduler"
         target.callbacks.clear()
+    elif case == "no_scheduler":  # saved without one, loaded with one: its schedule would start again
+        source, target = ec.trainer("tensor"), ec.trainer("tensor")
+        source.callbacks[:] = [cb for cb in source.callbacks if type(cb).__name__ != "LRScheduler"]
+        words = r"this trainer has a LRScheduler\(StepLR\) callback, whose state the checkpoint lacks"
+    elif case == "other_scheduler":  # a StepLR's state is not an ExponentialLR's
+        source, target = ec.trainer("tensor"), ec.trainer("tensor")
+        target.callbacks[:] = [cb for cb in target.callbacks if type(cb).__name__ != "LRScheduler"]
+        target.callbacks.append(LRScheduler(torch.optim.lr_scheduler.ExponentialLR(target.optimizer, 0.9)))
+        words = r"the checkpoint holds the state of a LRScheduler\(StepLR\) callback"
     elif case == "loader_kind":
         source, target, words = ec.trainer("tensor"), ec.trainer("dataloader"), "kind 'stateful'"
+    elif case == "loader_class":  # two loaders with states of their own, each in its own format
+        source, target = ec.trainer("stateful"), ec.trainer("tensor")
+        words = "saved with a StatefulDataLoader, whose state this trainer's TensorLoader cannot read"
     elif case == "loader_generators":
         source, target, words = ec.trainer("dataloader_generator"), ec.trainer("dataloader"), "had 1 generator"
         stop_at = 3
