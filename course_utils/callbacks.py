@@ -231,6 +231,10 @@ class Checkpoint(Callback):
             raise IsADirectoryError(_("checkpoint {path} is a folder: give a file name in it, e.g. {example}").format(
                 path=self.path, example=self.path / "run.pt"))
         self.every_n_steps = every_n_steps
+        self._saved_this_call = False
+
+    def on_train_start(self, trainer) -> None:
+        self._saved_this_call = False
 
     def on_batch_end(self, trainer, loss) -> None:
         if self.every_n_steps is not None and trainer.at_step_boundary \
@@ -239,9 +243,13 @@ class Checkpoint(Callback):
 
     def on_epoch_end(self, trainer, logs) -> None:
         trainer.save_checkpoint(self.path)
+        self._saved_this_call = True
 
     def on_train_end(self, trainer) -> None:
-        if trainer.position is not None:  # stopped inside an epoch: save where
+        stopped = trainer.stop_reason is not None or trainer.interrupted  # (the same on every rank)
+        # stopped inside an epoch: save where; between epochs before any epoch ended in this call (a stop at the
+        # start): save too, so that the file a resume looks for is there
+        if trainer.position is not None or (stopped and not self._saved_this_call):
             trainer.save_checkpoint(self.path)
             if trainer.is_main:
                 print(_("Checkpoint saved to '{name}' ({where}).").format(name=self.path.name, where=trainer.where()))

@@ -244,20 +244,24 @@ def test_every_stop_point_resumes_exactly_in_a_fresh_process(tmp_path):
 
 # --- stopping between epochs ----------------------------------------------------------------------
 
-@pytest.mark.parametrize("hook", ["on_train_start", "on_epoch_start", "on_epoch_end"])
-def test_stop_training_between_epochs_stops_cleanly(hook, capsys):
+@pytest.mark.parametrize("hook, at", [("on_train_start", 0), ("on_epoch_start", 0), ("on_epoch_start", 1),
+                                      ("on_epoch_end", 1)])
+def test_stop_training_between_epochs_stops_cleanly_and_leaves_a_checkpoint(tmp_path, hook, at, capsys):
+    """Raised when `at` epochs are done. Before the first epoch too (no epoch-end save yet): the file a resume
+    looks for is written."""
     class Stop(Callback):
         pass
 
     def raise_(self, trainer, *args):
-        if trainer.epoch == (0 if hook == "on_train_start" else 1):
+        if trainer.epoch == at:
             raise ec.StopTraining("between")
 
     setattr(Stop, hook, raise_)
-    t = ec.trainer("tensor", callbacks=[Stop()])
+    path = tmp_path / "ck.pt"
+    t = ec.trainer("tensor", callbacks=[Stop()], checkpoint=path)
     losses = t(3)
     assert t.stop_reason == "between" and t.position is None
-    assert t.epoch == {"on_train_start": 0, "on_epoch_start": 1, "on_epoch_end": 1}[hook] == len(losses)
+    assert t.epoch == at == len(losses) == read_checkpoint(path)["epoch"]
 
 
 # --- checkpoints that do not fit ------------------------------------------------------------------
