@@ -143,6 +143,22 @@ def check_optimizer_holds(model: nn.Module, optimizer: torch.optim.Optimizer) ->
                            "(a subset, for fine-tuning, is fine)").format(foreign=len(foreign), total=len(params)))
 
 
+def grad_accumulators(params) -> list:
+    """The autograd nodes that add each parameter's gradient into its `.grad` (AccumulateGrad). Autograd keeps a
+    parameter's node only while something holds it: freed with each step's graph, it is built again (with its
+    metadata) by the next forward, a cost per parameter per step that a hand-written loop avoids by accident (its
+    `loss` keeps the last graph alive into the next step). Holding them, as DistributedDataParallel does, builds
+    them once. Under inference_mode there is no graph: nothing to hold."""
+    nodes = []
+    with torch.enable_grad():
+        for p in params:
+            if p.requires_grad and not torch.is_inference(p):
+                view = p.view_as(p)
+                if view.grad_fn is not None:
+                    nodes.append(view.grad_fn.next_functions[0][0])
+    return nodes
+
+
 def raised_in_optimizer_step(error: BaseException) -> bool:
     """Whether `error` was raised in a `TrainStep`'s update (unscale, clip, hook, optimizer step) rather than in
     its forward or backward pass: read from the error's traceback, so the step keeps no flag up to date."""
@@ -234,8 +250,11 @@ class TrainStep:
 
     def connect(self, after_backward: Callable[[], None] | None = None,
                 before_optimizer_step: Callable[[], None] | None = None) -> None:
-        """The two per-step hooks (None: nothing). Both are kept as lists, chosen here, not tested every step."""
+        """The two per-step hooks (None: nothing). Both are kept as lists, chosen here, not tested every step.
+        Also takes hold of the parameters' gradient accumulators (`grad_accumulators`), afresh: the Trainer
+        connects at every call."""
         self._hooks = (after_backward, before_optimizer_step)
+        self._accumulators = grad_accumulators(optimizer_params(self.optimizer))
         self._after_backward = [after_backward] if after_backward is not None else []
         self._clips = [_clip_grad_norm] if self._grad_clip is not None else []  # called with the step
         self._before_step = [before_optimizer_step] if before_optimizer_step is not None else []

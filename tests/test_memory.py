@@ -5,6 +5,7 @@ PyTorch is the oracle: expected byte counts come from storages' own sizes, expec
 plain training step on a copy of the model.
 """
 import copy
+import warnings
 import subprocess
 import sys
 
@@ -1128,3 +1129,45 @@ def test_resilient_step_puts_back_the_batchnorm_statistics_a_failed_attempt_chan
         for p, q in zip(model.parameters(), oracle.parameters()):
             torch.testing.assert_close(p, q)
     assert step.oom_count == 3 and int(model[1].num_batches_tracked) == 6
+
+
+@pytest.mark.parametrize("replaced", ["running_mean", "running_var", "num_batches_tracked"])
+def test_resilient_step_names_a_single_buffer_replaced_by_hand_and_puts_back_the_others(replaced):
+    """The guard tests only the first buffer each step (what `model.to` replaces with all the others): the first
+    one assigned anew by hand is noticed there, and everything is put back. Another one is found when the
+    statistics are put back: the others are put back exactly (the oracle: a step run in chunks from the start),
+    that one keeps the failed attempt's update, and a warning names it. The next failed step puts back
+    everything again."""
+    noticed_early = replaced == "running_mean"
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(20, 8), nn.BatchNorm1d(8), OomAbove(8), nn.ReLU(), nn.Linear(8, 5))
+    oracle = copy.deepcopy(model)
+    oracle_step = TrainStep(oracle, torch.optim.SGD(oracle.parameters(), lr=0.1), F.cross_entropy,
+                            MixedPrecision("cpu", enabled=False))
+    step = ResilientStep(model, torch.optim.SGD(model.parameters(), lr=0.1), F.cross_entropy, regrow_after=1)
+    x, y = batch(16)
+    step(x, y)
+    oracle_step.group([(x, y)], chunk_size=8)
+    for bn in (model[1], oracle[1]):
+        setattr(bn, replaced, getattr(bn, replaced).clone())
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        step(x, y)
+    said = [str(w.message) for w in record if "not put back" in str(w.message)]
+    assert len(said) == (0 if noticed_early else 1), said
+    if not noticed_early:
+        assert f"running statistics 1.{replaced} were not put back" in said[0], said
+    oracle_step.group([(x, y)], chunk_size=8)
+    ours, theirs = dict(model[1].named_buffers()), dict(oracle[1].named_buffers())
+    for name in ours:
+        assert torch.equal(ours[name], theirs[name]) == (noticed_early or name != replaced), name
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for bn in (model[1], oracle[1]):  # start the two from the same statistics again
+            for name, b in bn.named_buffers():
+                b.copy_(dict(oracle[1].named_buffers())[name])
+        step(x, y)
+    oracle_step.group([(x, y)], chunk_size=8)
+    for name, b in model[1].named_buffers():
+        assert torch.equal(b, dict(oracle[1].named_buffers())[name]), name
+    assert step.oom_count == 3

@@ -365,3 +365,29 @@ def test_the_memory_check_leaves_the_hooks_once_done_but_a_subclass_or_a_recheck
         trainer(1)
         assert check.checked
     assert Counting.calls == 12  # its own hook ran at every batch of the three calls
+
+
+@pytest.mark.parametrize("oom_recovery", [False, True])
+def test_the_step_holds_the_gradient_accumulators_so_autograd_builds_them_once_per_call(oom_recovery):
+    """Autograd keeps a parameter's AccumulateGrad node only while something holds it; the Trainer's step holds
+    them (as DistributedDataParallel does), so each step's backward reuses the same nodes. Seen from outside: a
+    hook put on a parameter's node after the first step, and then let go, still fires at every later step
+    (without the hold the node is freed with the test's reference and its hook never fires)."""
+    x, y = tiny_data()
+    fired = []
+
+    class HookAfterFirstStep(Callback):
+        def on_batch_end(self, trainer, loss):
+            if trainer.batches_trained == 1:
+                for p in trainer.model.parameters():
+                    node = p.view_as(p).grad_fn.next_functions[0][0]
+                    assert type(node).__name__ == "AccumulateGrad"
+                    node.register_prehook(lambda grads: fired.append(trainer.batches_trained))
+
+    model = SimpleCNN()
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), 0.01), nn.CrossEntropyLoss(),
+                      TensorLoader(x, y, 16), device="cpu", callbacks=[HookAfterFirstStep()],
+                      oom_recovery=oom_recovery)
+    trainer(1)
+    count = len(list(model.parameters()))
+    assert fired == [b for b in (1, 2, 3) for _ in range(count)]  # steps 2, 3 and 4 (counted before each)

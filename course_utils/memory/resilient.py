@@ -1,7 +1,7 @@
 """`ResilientStep`: a training step that survives OOM by splitting the batch into micro-batches."""
 from __future__ import annotations
 
-import operator
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -24,29 +24,56 @@ def _device_of(model: nn.Module) -> torch.device:
 class _BufferGuard:
     """Copies of the buffers a training-mode forward changes (the running statistics of BatchNorm and its
     kind), taken before each attempt of a step and put back if it runs out of memory. The modules are found
-    once, at the first step, and the copies allocated once (again only if a buffer is replaced, e.g. by
-    `model.to(...)`); each step is then one foreach copy. A model without such modules costs nothing."""
+    once, at the first step, and the copies allocated once; each step is then one identity test and one foreach
+    copy (a copy per buffer in one call: benchmarks/bench_peers.py measures what it costs per step). A model
+    without such modules costs nothing. Buffers of modules in eval mode are copied too: they do not change, and
+    telling them apart would cost a test per module per step.
+
+    `model.to(...)`, `.half()` and the like replace every buffer by a new tensor: the test of the first one
+    notices it and the copies are made again. A single buffer assigned anew by hand is noticed only when it is
+    to be put back (testing every buffer every step costs more than the copy): that one is not put back, with a
+    warning that names it."""
 
     def __init__(self, model: nn.Module):
-        self.modules = [m for m in model.modules() if getattr(m, "track_running_stats", False)]
+        self.names = {id(m._buffers): name for name, m in model.named_modules()
+                      if getattr(m, "track_running_stats", False)}
+        self.dicts = [m._buffers for m in model.modules() if getattr(m, "track_running_stats", False)]
         self.saved: list[torch.Tensor] = []    # the buffers copied at the last save
         self.shadows: list[torch.Tensor] = []  # their copies
+        self.first: tuple[dict, str] | None = None  # where the first of them is: its dict and key
+
+    def _collect(self) -> None:
+        entries = [(d, k, b) for d in self.dicts for k, b in d.items() if b is not None]
+        self.first = entries[0][:2] if entries else None
+        self.saved = [b for _d, _k, b in entries]
+        self.shadows = [torch.empty_like(b) for b in self.saved]
 
     def save(self) -> None:
-        if not self.modules:
+        if not self.dicts:
             return
-        # the buffers of modules in training mode (an eval-mode BatchNorm changes nothing), read from `_buffers`
-        # directly: `Module.buffers()` costs more than the copy itself
-        current = [b for m in self.modules if m.training for b in m._buffers.values() if b is not None]
-        if len(current) != len(self.saved) or not all(map(operator.is_, current, self.saved)):
-            self.saved, self.shadows = current, [torch.empty_like(b) for b in current]
-        if current:  # (buffers need no grad: no autograd to turn off)
-            torch._foreach_copy_(self.shadows, current)  # one call for all of them (what torch's optimizers use)
+        first = self.first
+        if first is None or first[0].get(first[1]) is not self.saved[0]:  # first step, or buffers replaced
+            self._collect()
+        if self.saved:  # (buffers need no grad: no autograd to turn off)
+            torch._foreach_copy_(self.shadows, self.saved)
 
     def restore(self) -> None:
-        if self.saved:
-            with torch.no_grad():
-                torch._foreach_copy_(self.saved, self.shadows)
+        if not self.saved:
+            return
+        live = {id(b) for d in self.dicts for b in d.values() if b is not None}
+        keep = [i for i, b in enumerate(self.saved) if id(b) in live]
+        with torch.no_grad():
+            torch._foreach_copy_([self.saved[i] for i in keep], [self.shadows[i] for i in keep])
+        if len(keep) != len(self.saved) or len(live) != len(self.saved):
+            saved = {id(b) for b in self.saved}
+            replaced = [f"{self.names[id(d)]}.{k}".lstrip(".") for d in self.dicts for k, b in d.items()
+                        if b is not None and id(b) not in saved]
+            if replaced:
+                warnings.warn(_("out of memory: the running statistics {buffers} were not put back to their values "
+                                "before the failed attempt: they were replaced by new tensors since the last step, and "
+                                "keep the failed attempt's update").format(buffers=", ".join(replaced)),
+                              stacklevel=3)
+            self._collect()
 
 
 # --- the OOM-resilient training step -----------------------------------------------------------
