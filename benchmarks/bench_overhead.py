@@ -17,7 +17,7 @@ course_oom / course <= 1.03.
 Instructions are a proxy for time, not time: a cache miss or a stall costs many cycles and counts one. For a
 Python-bound loop that touches a few kilobytes they track time closely; bench_peers.py remains the time figure.
 
-    .venv/bin/python benchmarks/bench_overhead.py           # about 6 minutes on 2 cores; needs valgrind
+    .venv/bin/python benchmarks/bench_overhead.py           # 6-12 minutes on 2 cores; needs valgrind
     .venv/bin/python benchmarks/bench_overhead.py --worker linear course 1    # one run, without valgrind
 """
 import argparse
