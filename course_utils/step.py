@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.parameter import is_lazy
 
 from .i18n import _
 
@@ -148,11 +149,12 @@ def grad_accumulators(params) -> list:
     parameter's node only while something holds it: freed with each step's graph, it is built again (with its
     metadata) by the next forward, a cost per parameter per step that a hand-written loop avoids by accident (its
     `loss` keeps the last graph alive into the next step). Holding them, as DistributedDataParallel does, builds
-    them once. Under inference_mode there is no graph: nothing to hold."""
+    them once. Under inference_mode there is no graph: nothing to hold; nor for a lazy module's parameter that has
+    no values yet (the next connect, at the Trainer's next call, holds it)."""
     nodes = []
     with torch.enable_grad():
         for p in params:
-            if p.requires_grad and not torch.is_inference(p):
+            if p.requires_grad and not is_lazy(p) and not torch.is_inference(p):
                 view = p.view_as(p)
                 if view.grad_fn is not None:
                     nodes.append(view.grad_fn.next_functions[0][0])

@@ -1171,3 +1171,68 @@ def test_resilient_step_names_a_single_buffer_replaced_by_hand_and_puts_back_the
     for name, b in model[1].named_buffers():
         assert torch.equal(b, dict(oracle[1].named_buffers())[name]), name
     assert step.oom_count == 3
+
+
+def _guarded_oom_step(model, x, y):
+    """Statistics after a step that runs out of memory on the whole batch (OomAbove(8)), and the warnings."""
+    step = ResilientStep(model, torch.optim.SGD(model.parameters(), lr=0.1), F.cross_entropy, regrow_after=1)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        step(x, y)
+    return step, [str(w.message) for w in record if "not put back" in str(w.message)]
+
+
+@pytest.mark.parametrize("change", ["module_swapped", "module_added", "partial_to", "lazy_first_step"])
+def test_resilient_step_names_statistics_that_are_new_since_they_were_copied(change):
+    """What the per-step test of the first buffer does not see is found when the statistics are put back, by
+    walking the model again: a BatchNorm module swapped in or added after the first step, a `.double()` that left
+    the first module's buffers (already float64) in place, a lazy module's first step. Those statistics keep the
+    failed attempt's update, a warning names exactly them, the others are put back exactly, and the next failed
+    step puts back everything (the oracle: the same steps run in chunks from the start)."""
+    class In64(nn.Module):  # a BatchNorm kept in float64 inside a float32 model
+        def __init__(self, m):
+            super().__init__()
+            self.m = m
+
+        def forward(self, x):
+            return self.m(x.double()).to(x.dtype)
+
+    def make():
+        torch.manual_seed(0)
+        first = In64(nn.BatchNorm1d(8).double()) if change == "partial_to" else nn.BatchNorm1d(8)
+        second = nn.LazyBatchNorm1d() if change == "lazy_first_step" else nn.BatchNorm1d(8)
+        return nn.Sequential(nn.Linear(20, 8), first, nn.Linear(8, 8),
+                             nn.Identity() if change == "module_added" else second, OomAbove(8), nn.Linear(8, 5))
+
+    model = make()
+    x, y = batch(16)
+    step = ResilientStep(model, torch.optim.SGD(model.parameters(), lr=0.1), F.cross_entropy, regrow_after=1)
+    if change != "lazy_first_step":
+        step(x[:8], y[:8])  # a first step that fits: the guard finds the statistics there
+    if change in ("module_swapped", "module_added"):
+        model[3] = nn.BatchNorm1d(8)
+    if change == "partial_to":
+        model.double()
+        x = x.double()
+    oracle = make() if change == "lazy_first_step" else copy.deepcopy(model)  # (a lazy module cannot be copied)
+    oracle_step = TrainStep(oracle, torch.optim.SGD(oracle.parameters(), lr=0.1), F.cross_entropy,
+                            MixedPrecision("cpu", enabled=False))
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        step(x, y)
+    said = [str(w.message) for w in record if "not put back" in str(w.message)]
+    # (.double() leaves an int64 counter as it was; a lazy module's counter has a value from the start)
+    new = ["3.running_mean", "3.running_var"] + (["3.num_batches_tracked"] if "module" in change else [])
+    assert len(said) == 1 and f"statistics {', '.join(new)} were not put back" in said[0], said
+    oracle_step.group([(x, y)], chunk_size=8)
+    ours, theirs = dict(model.named_buffers()), dict(oracle.named_buffers())
+    for name in ours:
+        assert torch.equal(ours[name], theirs[name]) == (name not in new), name
+    for m in (model, oracle):  # the same statistics again, then a second failed step: all put back
+        m.load_state_dict(ours, strict=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        step(x, y)
+    oracle_step.group([(x, y)], chunk_size=8)
+    for name, b in model.named_buffers():
+        assert torch.equal(b, dict(oracle.named_buffers())[name]), name

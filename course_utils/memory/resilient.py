@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.parameter import is_lazy
 
 from ..amp import MixedPrecision
 from ..i18n import _
@@ -23,57 +24,66 @@ def _device_of(model: nn.Module) -> torch.device:
 
 class _BufferGuard:
     """Copies of the buffers a training-mode forward changes (the running statistics of BatchNorm and its
-    kind), taken before each attempt of a step and put back if it runs out of memory. The modules are found
-    once, at the first step, and the copies allocated once; each step is then one identity test and one foreach
-    copy (a copy per buffer in one call: benchmarks/bench_peers.py measures what it costs per step). A model
-    without such modules costs nothing. Buffers of modules in eval mode are copied too: they do not change, and
-    telling them apart would cost a test per module per step.
+    kind), taken before each attempt of a step and put back if it runs out of memory. The modules are found at
+    the first step and the copies allocated once; each step is then one identity test and one foreach copy (a
+    copy per buffer in one call: benchmarks/bench_peers.py measures what it costs per step). A model without such
+    modules at its first step costs nothing. Buffers of modules in eval mode are copied too: they do not change,
+    and telling them apart would cost a test per module per step.
 
     `model.to(...)`, `.half()` and the like replace every buffer by a new tensor: the test of the first one
-    notices it and the copies are made again. A single buffer assigned anew by hand is noticed only when it is
-    to be put back (testing every buffer every step costs more than the copy): that one is not put back, with a
-    warning that names it."""
+    notices it and the buffers are found again. A lazy module's buffers are found once it has its first values.
+    Anything else new since the buffers were found (a buffer or a module assigned anew, a `.to()` that left the
+    first buffer as it was) is noticed only when the statistics are put back, when the model is walked again
+    (testing every buffer every step costs more than the copy): what was copied is put back, and a warning names
+    the statistics that could not be."""
 
     def __init__(self, model: nn.Module):
-        self.names = {id(m._buffers): name for name, m in model.named_modules()
-                      if getattr(m, "track_running_stats", False)}
-        self.dicts = [m._buffers for m in model.modules() if getattr(m, "track_running_stats", False)]
-        self.saved: list[torch.Tensor] = []    # the buffers copied at the last save
+        self.model = model
+        self.saved: list[torch.Tensor] = []    # the buffers copied at each save
         self.shadows: list[torch.Tensor] = []  # their copies
-        self.first: tuple[dict, str] | None = None  # where the first of them is: its dict and key
+        self.first: tuple[dict, str] | None = None  # where the first of them is: its module's buffers and key
+        self.look_again = True  # find the buffers at the next save: the first, or a lazy one had no values yet
 
-    def _collect(self) -> None:
-        entries = [(d, k, b) for d in self.dicts for k, b in d.items() if b is not None]
-        self.first = entries[0][:2] if entries else None
-        self.saved = [b for _d, _k, b in entries]
+    def _tracked(self) -> list[tuple[str, torch.Tensor]]:
+        """(name, buffer) of every buffer of the model's modules with running statistics, found now."""
+        return [(f"{name}.{key}".lstrip("."), b) for name, m in self.model.named_modules()
+                if getattr(m, "track_running_stats", False) for key, b in m._buffers.items() if b is not None]
+
+    def _find(self) -> None:
+        found = [(m._buffers, key, b) for m in self.model.modules() if getattr(m, "track_running_stats", False)
+                 for key, b in m._buffers.items() if b is not None]
+        self.look_again = any(is_lazy(b) for _d, _k, b in found)
+        found = [entry for entry in found if not is_lazy(entry[2])]
+        self.first = found[0][:2] if found else None
+        self.saved = [b for _d, _k, b in found]
         self.shadows = [torch.empty_like(b) for b in self.saved]
 
     def save(self) -> None:
-        if not self.dicts:
+        if self.look_again:
+            self._find()
+        elif self.first is None:  # nothing to guard at the first step (a module added since: see restore)
             return
-        first = self.first
-        if first is None or first[0].get(first[1]) is not self.saved[0]:  # first step, or buffers replaced
-            self._collect()
+        elif self.first[0].get(self.first[1]) is not self.saved[0]:  # replaced: model.to(...) and the like
+            self._find()
         if self.saved:  # (buffers need no grad: no autograd to turn off)
             torch._foreach_copy_(self.shadows, self.saved)
 
     def restore(self) -> None:
-        if not self.saved:
-            return
-        live = {id(b) for d in self.dicts for b in d.values() if b is not None}
-        keep = [i for i, b in enumerate(self.saved) if id(b) in live]
-        with torch.no_grad():
-            torch._foreach_copy_([self.saved[i] for i in keep], [self.shadows[i] for i in keep])
-        if len(keep) != len(self.saved) or len(live) != len(self.saved):
-            saved = {id(b) for b in self.saved}
-            replaced = [f"{self.names[id(d)]}.{k}".lstrip(".") for d in self.dicts for k, b in d.items()
-                        if b is not None and id(b) not in saved]
-            if replaced:
-                warnings.warn(_("out of memory: the running statistics {buffers} were not put back to their values "
-                                "before the failed attempt: they were replaced by new tensors since the last step, and "
-                                "keep the failed attempt's update").format(buffers=", ".join(replaced)),
-                              stacklevel=3)
-            self._collect()
+        position = {id(b): i for i, b in enumerate(self.saved)}
+        now = [(name, b) for name, b in self._tracked() if not is_lazy(b)]
+        keep = [position[id(b)] for _name, b in now if id(b) in position]
+        if keep:
+            with torch.no_grad():
+                torch._foreach_copy_([self.saved[i] for i in keep], [self.shadows[i] for i in keep])
+        missed = [name for name, b in now if id(b) not in position]
+        if missed:
+            warnings.warn(_("out of memory: the running statistics {buffers} were not put back to their values "
+                            "before the failed attempt, which keeps its update of them: they are new since the "
+                            "statistics were copied (a buffer or module assigned anew, a .to() that left the first "
+                            "buffer as it was, or a lazy module's first step)").format(buffers=", ".join(missed)),
+                          stacklevel=3)
+        if missed or len(keep) != len(self.saved):
+            self._find()
 
 
 # --- the OOM-resilient training step -----------------------------------------------------------
