@@ -80,7 +80,8 @@ class _BufferGuard:
             warnings.warn(_("out of memory: the running statistics {buffers} were not put back to their values "
                             "before the failed attempt, which keeps its update of them: they are new since the "
                             "statistics were copied (a buffer or module assigned anew, a .to() that left the first "
-                            "buffer as it was, or a lazy module's first step)").format(buffers=", ".join(missed)),
+                            "buffer as it was, or a lazy module's first step). A num_batches_tracked among them also changes what a "
+                            "BatchNorm with momentum=None averages next").format(buffers=", ".join(missed)),
                           stacklevel=3)
         if missed or len(keep) != len(self.saved):
             self._find()
