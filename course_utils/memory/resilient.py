@@ -121,8 +121,8 @@ class ResilientStep:
 
     Models whose output for a sample depends on the rest of the batch (BatchNorm in training mode) get a
     different update from chunks, as they do with gradient accumulation on any GPU. Statistics that are new since
-    the step before (a BatchNorm module or buffer assigned anew, a lazy module's first step) cannot be put back:
-    a warning names them.
+    it found them at its first step (a BatchNorm module or buffer assigned anew later, a lazy module's first
+    step; `model.to(...)` is noticed) cannot be put back at the next OOM: a warning names them.
 
     `loss_fn` must return the batch mean (reduction="mean", the default of PyTorch's losses); pass
     `reduction="sum"` for a summed loss. `precision` defaults to float32 (`MixedPrecision(device, enabled=False)`).
