@@ -129,8 +129,8 @@ def non_finite_error(tally: EpochTally, process, epoch: int, batch: int, value: 
     batch, value, rank = bad if bad is not None else (batch, value, 0)
     return NonFiniteLossError(_(
         "the loss became {value} at {where}: training stopped (the Trainer reads the loss at an epoch's end, "
-        "when it stops and when it saves). The weights are probably not finite any more; no checkpoint was written (the last "
-        "good one is kept). Usual causes: a "
-        "learning rate too high, log or division by zero in the loss, float16 overflow (mixed_precision='fp16' "
-        "scales the loss). callbacks=[CheckFinite()] stops at the bad step itself (one sync a step).").format(
+        "when it stops and when it saves). The weights are probably not finite any more; no checkpoint was "
+        "written (the last good one is kept). Usual causes: a learning rate too high, log or division by zero in "
+        "the loss, float16 overflow (mixed_precision='fp16' scales the loss). callbacks=[CheckFinite()] stops at "
+        "the bad step itself (one sync a step).").format(
         value=value, where=where_in(process, epoch, batch, rank)))

@@ -71,8 +71,6 @@ class DeferredStop:
         return False
 
 
-
-
 def exit_preempted(quietly: bool) -> NoReturn:
     """Leave with `PREEMPTED_EXIT` (SystemExit). `quietly`: ignore further SIGTERMs on the way out, as a rank of a
     torchrun job should: once one rank has left, torchrun sends SIGTERM to the others, which may still be leaving;

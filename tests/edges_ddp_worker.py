@@ -140,21 +140,16 @@ def main(mode, folder):
         t(EPOCHS)
         out["epoch_end"] = distributed.gather_objects({"epoch": t.epoch, "reason": t.stop_reason}, t.process)
         rank = distributed.Process.from_environment().rank
-        t = trainer("tensor", loss_fn=NanOnRank1(rank, 9))
-        try:
-            t(EPOCHS)
-            message = None
-        except NonFiniteLossError as exc:
-            message = str(exc)
-        out["nan"] = distributed.gather_objects(message, t.process)
-        # the same with a save after every step: the save is the first to read the bad loss, and names it too
-        t = trainer("tensor", loss_fn=NanOnRank1(rank, 9), callbacks=[Checkpoint(folder / "nan.pt", every_n_steps=1)])
-        try:
-            t(EPOCHS)
-            message = None
-        except NonFiniteLossError as exc:
-            message = str(exc)
-        out["nan_saving"] = distributed.gather_objects(message, t.process)
+        # without a save, and with a save after every step (the save is the first to read the bad loss, and names
+        # it too)
+        for key, callbacks in (("nan", []), ("nan_saving", [Checkpoint(folder / "nan.pt", every_n_steps=1)])):
+            t = trainer("tensor", loss_fn=NanOnRank1(rank, 9), callbacks=callbacks)
+            try:
+                t(EPOCHS)
+                message = None
+            except NonFiniteLossError as exc:
+                message = str(exc)
+            out[key] = distributed.gather_objects(message, t.process)
         # the vote's interval adapted to the step time (the test runs set COURSE_STOP_VOTE_SECONDS=0 for the fixed
         # cadence above): the same interval on both ranks, so a stop asked by rank 1 still stops both together
         os.environ[distributed.ENV_VOTE_SECONDS] = "0.5"

@@ -1131,6 +1131,14 @@ def test_resilient_step_puts_back_the_batchnorm_statistics_a_failed_attempt_chan
     assert step.oom_count == 3 and int(model[1].num_batches_tracked) == 6
 
 
+def _not_put_back(step, x, y) -> list[str]:
+    """Run `step` on (x, y); the warnings it gave about statistics it could not put back."""
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        step(x, y)
+    return [str(w.message) for w in record if "not put back" in str(w.message)]
+
+
 @pytest.mark.parametrize("replaced", ["running_mean", "running_var", "num_batches_tracked"])
 def test_resilient_step_names_a_single_buffer_replaced_by_hand_and_puts_back_the_others(replaced):
     """The guard tests only the first buffer each step (what `model.to` replaces with all the others): the first
@@ -1150,10 +1158,7 @@ def test_resilient_step_names_a_single_buffer_replaced_by_hand_and_puts_back_the
     oracle_step.group([(x, y)], chunk_size=8)
     for bn in (model[1], oracle[1]):
         setattr(bn, replaced, getattr(bn, replaced).clone())
-    with warnings.catch_warnings(record=True) as record:
-        warnings.simplefilter("always")
-        step(x, y)
-    said = [str(w.message) for w in record if "not put back" in str(w.message)]
+    said = _not_put_back(step, x, y)
     assert len(said) == (0 if noticed_early else 1), said
     if not noticed_early:
         assert f"running statistics 1.{replaced} were not put back" in said[0], said
@@ -1171,15 +1176,6 @@ def test_resilient_step_names_a_single_buffer_replaced_by_hand_and_puts_back_the
     for name, b in model[1].named_buffers():
         assert torch.equal(b, dict(oracle[1].named_buffers())[name]), name
     assert step.oom_count == 3
-
-
-def _guarded_oom_step(model, x, y):
-    """Statistics after a step that runs out of memory on the whole batch (OomAbove(8)), and the warnings."""
-    step = ResilientStep(model, torch.optim.SGD(model.parameters(), lr=0.1), F.cross_entropy, regrow_after=1)
-    with warnings.catch_warnings(record=True) as record:
-        warnings.simplefilter("always")
-        step(x, y)
-    return step, [str(w.message) for w in record if "not put back" in str(w.message)]
 
 
 @pytest.mark.parametrize("change", ["module_swapped", "module_added", "partial_to", "lazy_first_step"])
@@ -1217,10 +1213,7 @@ def test_resilient_step_names_statistics_that_are_new_since_they_were_copied(cha
     oracle = make() if change == "lazy_first_step" else copy.deepcopy(model)  # (a lazy module cannot be copied)
     oracle_step = TrainStep(oracle, torch.optim.SGD(oracle.parameters(), lr=0.1), F.cross_entropy,
                             MixedPrecision("cpu", enabled=False))
-    with warnings.catch_warnings(record=True) as record:
-        warnings.simplefilter("always")
-        step(x, y)
-    said = [str(w.message) for w in record if "not put back" in str(w.message)]
+    said = _not_put_back(step, x, y)
     # (.double() leaves an int64 counter as it was; a lazy module's counter has a value from the start)
     new = ["3.running_mean", "3.running_var"] + (["3.num_batches_tracked"] if "module" in change else [])
     assert len(said) == 1 and f"statistics {', '.join(new)} were not put back" in said[0], said

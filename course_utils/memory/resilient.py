@@ -44,18 +44,18 @@ class _BufferGuard:
         self.first: tuple[dict, str] | None = None  # where the first of them is: its module's buffers and key
         self.look_again = True  # find the buffers at the next save: the first, or a lazy one had no values yet
 
-    def _tracked(self) -> list[tuple[str, torch.Tensor]]:
-        """(name, buffer) of every buffer of the model's modules with running statistics, found now."""
-        return [(f"{name}.{key}".lstrip("."), b) for name, m in self.model.named_modules()
+    def _tracked(self) -> list[tuple[str, dict, str, torch.Tensor]]:
+        """(name, its module's buffers, key, buffer) of every buffer of the modules with running statistics, found
+        now."""
+        return [(f"{name}.{key}".lstrip("."), m._buffers, key, b) for name, m in self.model.named_modules()
                 if getattr(m, "track_running_stats", False) for key, b in m._buffers.items() if b is not None]
 
     def _find(self) -> None:
-        found = [(m._buffers, key, b) for m in self.model.modules() if getattr(m, "track_running_stats", False)
-                 for key, b in m._buffers.items() if b is not None]
-        self.look_again = any(is_lazy(b) for _d, _k, b in found)
-        found = [entry for entry in found if not is_lazy(entry[2])]
-        self.first = found[0][:2] if found else None
-        self.saved = [b for _d, _k, b in found]
+        found = self._tracked()
+        self.look_again = any(is_lazy(b) for *_, b in found)
+        found = [entry for entry in found if not is_lazy(entry[3])]
+        self.first = found[0][1:3] if found else None
+        self.saved = [b for *_, b in found]
         self.shadows = [torch.empty_like(b) for b in self.saved]
 
     def save(self) -> None:
@@ -70,7 +70,7 @@ class _BufferGuard:
 
     def restore(self) -> None:
         position = {id(b): i for i, b in enumerate(self.saved)}
-        now = [(name, b) for name, b in self._tracked() if not is_lazy(b)]
+        now = [(name, b) for name, _d, _k, b in self._tracked() if not is_lazy(b)]
         keep = [position[id(b)] for _name, b in now if id(b) in position]
         if keep:
             with torch.no_grad():
@@ -80,9 +80,9 @@ class _BufferGuard:
             warnings.warn(_("out of memory: the running statistics {buffers} were not put back to their values "
                             "before the failed attempt, which keeps its update of them: they are new since the "
                             "statistics were copied (a buffer or module assigned anew, a .to() that left the first "
-                            "buffer as it was, or a lazy module's first step). A num_batches_tracked among them also changes what a "
-                            "BatchNorm with momentum=None averages next").format(buffers=", ".join(missed)),
-                          stacklevel=3)
+                            "buffer as it was, or a lazy module's first step). A num_batches_tracked among them "
+                            "also changes what a BatchNorm with momentum=None averages next").format(
+                buffers=", ".join(missed)), stacklevel=3)
         if missed or len(keep) != len(self.saved):
             self._find()
 
